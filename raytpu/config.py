@@ -1,0 +1,367 @@
+"""Typed configuration: dataclasses, YAML files, dotted overrides and seed-script aliases.
+
+A config file is YAML with one section per dataclass below plus ``job:`` (the
+job's own dataclass, selected by ``job.name``). Command-line overrides are
+``section.key=value`` (values parsed as YAML) or a seed script's flag
+(``--batch-size 8``). Any unknown key fails with the closest valid keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raytpu.job import Job, JobConfig, load_job
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override: the message says what to fix."""
+
+
+@dataclass
+class RunConfig:
+    name: str = ""
+    storage_path: str = "./results"
+    seed: int = 0
+    mode: str = "train"  # train | test
+
+
+@dataclass
+class TPUConfig:
+    accelerator_type: str = ""  # e.g. TPU-V5LITEPOD, TPU-V4, TPU-V6E
+    topology: str = ""  # e.g. 2x4
+    layout: str = "spmd"  # spmd | multiprocess
+
+
+@dataclass
+class ScalingConfig:
+    runtime: str = "auto"  # auto | cpu | cuda | xla
+    num_workers: int = 1
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    cpus_per_worker: float = 1.0
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    tpu: TPUConfig = field(default_factory=TPUConfig)
+
+
+@dataclass
+class MeshConfig:
+    data: int = -1
+    fsdp: int = 1
+
+
+@dataclass
+class XLAConfig:
+    spmd: bool = False
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    compile_cache: str = ""  # "" = <run dir>/xla_cache; "none" disables it
+    strict_recompile: bool = False
+    debug_metrics: bool = False
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    synthesize_if_missing: bool = False
+    global_batch_size: int = 8
+    eval_batch_size: int = 0  # 0 = global_batch_size
+    num_workers: int = 0  # DataLoader processes per Ray worker
+    loader: str = "torch"  # torch | ray
+    shuffle: bool = True
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adagrad | adam | adamw | sgd
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    scheduler: str = "constant"  # constant | cosine | linear | poly
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class LoopConfig:
+    epochs: int = 1
+    max_steps: int = 0  # 0 = epochs * steps per epoch
+    grad_accum: int = 1
+    clip_grad_norm: float = 0.0  # 0 = no clipping
+    ema_beta: float = 0.0  # 0 = no EMA of the weights
+    ema_every: int = 1
+    log_every: int = 10
+    eval_every_epochs: int = 1
+    stop_on_nonfinite: bool = True
+    grad_norm_warn_high: float = 1e3
+    grad_norm_warn_low: float = 1e-7
+    fail_at_step: int = 0  # fault injection for tests: raise once at this step (0 = off)
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # 0 = at the end of every epoch
+    num_to_keep: int = 2
+    resume: bool = True  # continue from the run's latest checkpoint when there is one
+    weights: str = ""  # checkpoint dir or weights file to start from / to test
+    max_failures: int = 0
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    progress_bar: bool = True
+    eval_images: int = 4  # images per eval written to TensorBoard (0 = none)
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    xla: XLAConfig = field(default_factory=XLAConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+#: flags and short keys every job accepts: alias -> dotted key
+COMMON_ALIASES: dict[str, str] = {
+    "runtime": "scaling.runtime",
+    "num_workers": "scaling.num_workers",
+    "precision": "scaling.precision",
+    "--name": "run.name",
+    "--seed": "run.seed",
+    "--data-path": "data.path",
+}
+
+
+# ---------------------------------------------------------------------- build
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> tuple[Config, Job]:
+    """Read a YAML file, apply ``overrides`` and return the typed config and its job."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found; pass a YAML file such as jobs/mshnet/small.yaml")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    job_section = raw.get("job") or {}
+    if isinstance(job_section, str):
+        job_section = {"name": job_section}
+        raw["job"] = job_section
+    pairs = parse_overrides(overrides or [], job_aliases_for(raw, overrides or []))
+    job_name = dict(pairs).get("job.name", job_section.get("name"))
+    if not job_name:
+        raise ConfigError("no job given: set `job: {name: <job>}` in the config or pass job.name=<job>")
+    job = load_job(str(job_name))
+    cfg = build_dataclass(Config, raw, "", {"job": job.config_class})
+    for key, value in pairs:
+        set_dotted(cfg, key, value)
+    validate(cfg)
+    return cfg, job
+
+
+def job_aliases_for(raw: dict[str, Any], overrides: list[str]) -> dict[str, str]:
+    """Aliases of the job named in the file or the overrides (seed flags)."""
+    name = (raw.get("job") or {}).get("name")
+    for item in overrides:
+        if item.startswith("job.name="):
+            name = item.split("=", 1)[1]
+    aliases = dict(COMMON_ALIASES)
+    if name:
+        aliases.update(load_job(str(name)).aliases)
+    return aliases
+
+
+def parse_overrides(items: list[str], aliases: dict[str, str]) -> list[tuple[str, Any]]:
+    """``["a.b=1", "--batch-size", "8", "--lr=0.1"]`` -> ``[("a.b", 1), ...]``."""
+    pairs: list[tuple[str, Any]] = []
+    index = 0
+    while index < len(items):
+        item = items[index]
+        index += 1
+        if item.startswith("--"):
+            flag, sep, value = item.partition("=")
+            if flag not in aliases:
+                close = difflib.get_close_matches(flag, [a for a in aliases if a.startswith("--")], n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise ConfigError(f"unknown flag {flag}{hint}")
+            if not sep:
+                if index >= len(items):
+                    raise ConfigError(f"flag {flag} needs a value")
+                value = items[index]
+                index += 1
+            pairs.append((aliases[flag], parse_value(value)))
+        elif "=" in item:
+            key, value = item.split("=", 1)
+            pairs.append((aliases.get(key, key), parse_value(value)))
+        else:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. optim.lr=0.01)")
+    return pairs
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def build_dataclass(cls: type, raw: Any, prefix: str, substitutions: dict[str, type] | None = None) -> Any:
+    """Build ``cls`` from a mapping, recursively, rejecting unknown keys."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise ConfigError(unknown_key_message(f"{prefix}{key}", [f"{prefix}{n}" for n in names]))
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            if substitutions and f.name in substitutions:
+                values[f.name] = substitutions[f.name]()
+            continue
+        field_type = (substitutions or {}).get(f.name, hints[f.name])
+        values[f.name] = coerce(raw[f.name], field_type, f"{prefix}{f.name}")
+    return cls(**values)
+
+
+def coerce(value: Any, field_type: Any, key: str) -> Any:
+    """Check/convert ``value`` to ``field_type`` with a message naming ``key``."""
+    if dataclasses.is_dataclass(field_type):
+        return build_dataclass(field_type, value, f"{key}.")
+    origin = typing.get_origin(field_type)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        (item_type, *_) = typing.get_args(field_type) or (Any,)
+        return [coerce(v, item_type, key) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if field_type is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if field_type is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if field_type is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if field_type is str:
+        return "" if value is None else str(value)
+    if field_type is float and isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 reads "1e-4" as a string
+        except ValueError:
+            pass
+    if field_type in (int, float):
+        raise ConfigError(f"{key} must be a number ({field_type.__name__}), got {value!r}")
+    return value
+
+
+def unknown_key_message(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+    return f"unknown config key {key!r}{hint}"
+
+
+def all_keys(obj: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        keys.append(prefix + f.name)
+        if dataclasses.is_dataclass(value):
+            keys.extend(all_keys(value, f"{prefix}{f.name}."))
+    return keys
+
+
+def set_dotted(cfg: Config, key: str, value: Any) -> None:
+    """Set ``a.b.c`` on the nested dataclasses, with the same checks as the file."""
+    parts = key.split(".")
+    target: Any = cfg
+    for depth, part in enumerate(parts):
+        if not dataclasses.is_dataclass(target) or part not in {f.name for f in dataclasses.fields(target)}:
+            raise ConfigError(unknown_key_message(key, all_keys(cfg)))
+        if depth == len(parts) - 1:
+            break
+        target = getattr(target, part)
+    name = parts[-1]
+    field_type = typing.get_type_hints(type(target))[name]
+    if key == "job.name":
+        if value != cfg.job.name:
+            raise ConfigError("job.name cannot change the job of a config file; use another config")
+        return
+    setattr(target, name, coerce(value, field_type, key))
+
+
+# ------------------------------------------------------------------- checks
+def validate(cfg: Config) -> None:
+    choices = {
+        "run.mode": (cfg.run.mode, ("train", "test")),
+        "scaling.runtime": (cfg.scaling.runtime, ("auto", "cpu", "cuda", "xla")),
+        "scaling.precision": (cfg.scaling.precision, ("auto", "fp32", "bf16", "fp16")),
+        "scaling.tpu.layout": (cfg.scaling.tpu.layout, ("spmd", "multiprocess")),
+        "data.loader": (cfg.data.loader, ("torch", "ray")),
+        "optim.name": (cfg.optim.name, ("adagrad", "adam", "adamw", "sgd")),
+        "optim.scheduler": (cfg.optim.scheduler, ("constant", "cosine", "linear", "poly")),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    positive = {
+        "scaling.num_workers": cfg.scaling.num_workers,
+        "data.global_batch_size": cfg.data.global_batch_size,
+        "loop.grad_accum": cfg.loop.grad_accum,
+        "loop.log_every": cfg.loop.log_every,
+        "loop.ema_every": cfg.loop.ema_every,
+        "checkpoint.num_to_keep": cfg.checkpoint.num_to_keep,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be at least 1, got {value}")
+    if not 0.0 <= cfg.loop.ema_beta < 1.0:
+        raise ConfigError(f"loop.ema_beta must be in [0, 1), got {cfg.loop.ema_beta}")
+
+
+def per_worker_batch(
+    global_batch: int, data_parallel: int, grad_accum: int = 1, what: str = "data.global_batch_size"
+) -> int:
+    """Split a global batch: it must be divisible by data-parallel size x accumulation steps."""
+    share = data_parallel * grad_accum
+    if global_batch % share:
+        raise ConfigError(
+            f"{what}={global_batch} is not divisible by {data_parallel} data-parallel workers x {grad_accum} "
+            f"accumulation steps; use a multiple of {share}"
+        )
+    return global_batch // share
+
+
+# --------------------------------------------------------------------- dump
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def from_dict(data: dict[str, Any]) -> tuple[Config, Job]:
+    """Rebuild a config (e.g. on a Ray worker) from :func:`to_dict` output."""
+    job = load_job(data["job"]["name"])
+    return build_dataclass(Config, data, "", {"job": job.config_class}), job

@@ -1,0 +1,140 @@
+"""The contract between the library and a training job.
+
+A job is a Python module (``jobs.<name>`` or any importable dotted path) that
+exposes ``JOB``, an instance of a :class:`Job` subclass. The library never
+imports a job's model or data code directly: it only calls the methods below,
+so adding a job never touches ``raytpu/``.
+
+Everything a job returns lives on the CPU or on whatever device the library
+moved the batch to; jobs never pick a device, never import torch_xla and never
+call ``.item()`` inside :meth:`Job.train_step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class JobConfig:
+    """Job-specific settings, the ``job:`` section of a config file.
+
+    Jobs subclass it and add their own fields (model size, augmentation, ...).
+    """
+
+    name: str = "mshnet"
+
+
+@dataclass
+class StepContext:
+    """What a step may depend on besides the batch. Plain Python values only,
+    so that on XLA a change of value is a (bounded) graph change, never a sync."""
+
+    epoch: int
+    step: int
+    training: bool
+
+
+class Job:
+    """Base class of every job; override what the job needs."""
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type[JobConfig]] = JobConfig
+    #: metric used to keep the best checkpoint, as reported by :meth:`finish_eval`
+    main_metric: ClassVar[str] = "loss"
+    main_metric_mode: ClassVar[str] = "min"
+    #: DDP must look for parameters without gradient (e.g. heads skipped in warm-up)
+    find_unused_parameters: ClassVar[bool] = False
+    #: seed-script flags accepted on the command line: flag -> dotted config key
+    aliases: ClassVar[dict[str, str]] = {}
+
+    # ----------------------------------------------------------------- build
+    def build_model(self, cfg: Any) -> nn.Module:
+        raise NotImplementedError
+
+    def build_dataset(self, cfg: Any, split: str, data_root: Path) -> Dataset:
+        """Map-style dataset for ``split`` in ``{"train", "valid", "test"}``.
+
+        Items are dicts of tensors with fixed shapes per split. If the dataset
+        has ``set_epoch(epoch)``, the loop calls it before every epoch so that
+        augmentation can be a pure function of (seed, epoch, index).
+        """
+        raise NotImplementedError
+
+    def synthesize(self, out: Path, **options: Any) -> None:
+        """Write a small data set in the job's native layout under ``out``."""
+        raise NotImplementedError(f"job {self.name!r} has no synthetic data generator")
+
+    def synth_options(self, cfg: Any) -> dict[str, Any]:
+        """Options for :meth:`synthesize` when the config asks to synthesize missing data."""
+        return {}
+
+    # ------------------------------------------------------------------ step
+    def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
+        """Return ``(loss, extra)``: a scalar loss to minimise and a dict of
+        scalar tensors to log (kept on device; the library reads them lazily)."""
+        raise NotImplementedError
+
+    def eval_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> Batch:
+        """Return a dict of *summable* statistics for one batch (tensors of any
+        fixed shape). The library sums them over batches and workers and hands
+        the totals to :meth:`finish_eval`."""
+        raise NotImplementedError
+
+    def finish_eval(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Turn summed statistics into the reported metrics."""
+        raise NotImplementedError
+
+    def eval_images(self, model: nn.Module, batch: Batch, ctx: StepContext) -> dict[str, torch.Tensor]:
+        """Optional images for TensorBoard at eval: name -> (N, C, H, W) in [0, 1]."""
+        return {}
+
+    def test(self, model: nn.Module, cfg: Any, run_dir: Path) -> dict[str, float]:
+        """Optional job-specific test mode, run on rank 0 (e.g. a diffusion sampler).
+
+        Jobs that do not override it are tested by evaluating the test split
+        with :meth:`eval_step` on every worker."""
+        raise NotImplementedError
+
+
+def load_job(name: str) -> Job:
+    """Resolve ``name`` to a job: ``mshnet`` -> ``jobs.mshnet``, or a dotted module path."""
+    candidates = [name] if "." in name else [f"jobs.{name}", name]
+    errors = []
+    for module_name in candidates:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                errors.append(module_name)
+                continue
+            raise
+        job = getattr(module, "JOB", None)
+        if not isinstance(job, Job):
+            raise ValueError(f"module {module_name!r} has no JOB = <Job instance>; add one to plug the job in")
+        return job
+    raise ValueError(f"unknown job {name!r}: no module {' or '.join(errors)}; known jobs: {', '.join(known_jobs())}")
+
+
+def known_jobs() -> list[str]:
+    """Jobs shipped in the ``jobs`` package."""
+    try:
+        package = importlib.import_module("jobs")
+    except ModuleNotFoundError:
+        return []
+    roots = [Path(p) for p in getattr(package, "__path__", [])]
+    return sorted({p.name for root in roots for p in root.iterdir() if (p / "__init__.py").exists()})
+
+
+def job_config_fields(cls: type[JobConfig]) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]

@@ -1,0 +1,87 @@
+"""Rank-0 logging: TensorBoard event files and a console progress bar."""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+
+class RunLogger:
+    """Writes scalars/images to TensorBoard and drives a tqdm bar; silent off rank 0."""
+
+    def __init__(
+        self, log_dir: Path, enabled: bool, tensorboard: bool, progress_bar: bool, total: int, initial: int
+    ) -> None:
+        self.enabled = enabled
+        self.writer = None
+        self.bar = None
+        if not enabled:
+            return
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(log_dir))
+        if progress_bar:
+            self.bar = tqdm(
+                total=total, initial=initial, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True
+            )
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        if self.writer is None:
+            return
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+
+    def images(self, images: dict[str, torch.Tensor], step: int) -> None:
+        if self.writer is None:
+            return
+        for key, value in images.items():
+            self.writer.add_images(key, value.detach().float().clamp(0, 1).cpu(), step)
+
+    def progress(self, step: int, postfix: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix(
+                {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in postfix.items()}, refresh=True
+            )
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def watch_grad_norm(norm: float, step: int, high: float, low: float) -> str | None:
+    """A warning text when the gradient norm looks wrong, else ``None``."""
+    if not math.isfinite(norm):
+        return f"step {step}: gradient norm is {norm}"
+    if norm > high:
+        return (
+            f"step {step}: gradient norm {norm:.3g} > {high:g} (exploding?); consider loop.clip_grad_norm or a lower lr"
+        )
+    if norm < low:
+        return f"step {step}: gradient norm {norm:.3g} < {low:g} (vanishing?); check the loss and the lr"
+    return None
+
+
+def warn(text: str) -> None:
+    warnings.warn(text, stacklevel=2)

@@ -1,0 +1,69 @@
+"""Optimizers, learning-rate schedules and an XLA-friendly EMA of the weights."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from raytpu.config import OptimConfig
+
+
+def build_optimizer(cfg: OptimConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    params = list(params)
+    if cfg.name == "adagrad":
+        return torch.optim.Adagrad(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the base lr at a step: linear warm-up, then the schedule's shape."""
+
+    def factor(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.scheduler == "constant":
+            return 1.0
+        span = max(total_steps - cfg.warmup_steps, 1)
+        progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+        shape = {
+            "cosine": 0.5 * (1 + math.cos(math.pi * progress)),
+            "linear": 1 - progress,
+            "poly": (1 - progress) ** 0.9,
+        }[cfg.scheduler]
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+    return factor
+
+
+def build_scheduler(
+    cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, total_steps))
+
+
+class EMA:
+    """Exponential moving average of a model's weights.
+
+    ``torch.optim.swa_utils.AveragedModel`` branches on a tensor in its update,
+    a host sync on XLA; this one is a fixed ``lerp`` so the graph stays static.
+    """
+
+    def __init__(self, model: nn.Module, beta: float) -> None:
+        self.beta = beta
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        ema_params = list(self.model.parameters())
+        params = [p.detach() for p in model.parameters()]
+        torch._foreach_lerp_(ema_params, params, 1.0 - self.beta)
+        for ema_buffer, buffer in zip(self.model.buffers(), model.buffers()):
+            ema_buffer.copy_(buffer)

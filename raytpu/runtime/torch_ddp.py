@@ -1,0 +1,68 @@
+"""cpu and cuda runtimes: plain PyTorch DDP (gloo on CPU, NCCL on GPU) with AMP on GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from raytpu.runtime import Runtime, clip_or_measure
+
+
+class DDPRuntime(Runtime):
+    def __init__(self, name: str, precision: str, world_size: int, rank: int, local_rank: int) -> None:
+        super().__init__(precision, world_size, rank, local_rank)
+        self.name = name
+        if name == "cuda":
+            self.device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+            torch.cuda.set_device(self.device)
+        self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+
+    def prepare_model(self, model: nn.Module, find_unused_parameters: bool = False) -> nn.Module:
+        model = model.to(self.device)
+        if self.world_size > 1 and dist.is_initialized():
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters)
+        return model
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
+    ) -> torch.Tensor:
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, params, max_norm)
+        self.scaler.unscale_(optimizer)
+        norm = clip_or_measure([p.grad for p in params if p.grad is not None], max_norm)
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return norm
+
+    @property
+    def collective_device(self) -> torch.device:
+        return self.device
+
+    def rng_state(self) -> dict[str, Any]:
+        state = super().rng_state()
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        super().set_rng_state(state)
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+    def scaler_state(self) -> dict[str, Any] | None:
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_scaler_state(self, state: dict[str, Any] | None) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)

@@ -1,0 +1,187 @@
+"""xla runtime: PyTorch/XLA on TPU (or the CPU PJRT device for tests).
+
+Two ways to use a worker's devices:
+
+* one device per worker (``xla.spmd: false``): the worker drives
+  ``torch_xla.device()``; with several workers, gradients are all-reduced by
+  XLA collectives on TPU, or over the host gloo group on the CPU PJRT device,
+  which has no cross-process collectives.
+* SPMD (``xla.spmd: true``): one worker per host drives all of its devices;
+  the batch is sharded over a ``('data', 'fsdp')`` mesh and XLA inserts the
+  gradient all-reduce.
+
+torch_xla is imported only here, inside the worker, never in the driver.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raytpu.runtime import Runtime, clip_or_measure, tpu_present
+
+
+class XLARuntime(Runtime):
+    name = "xla"
+
+    def __init__(self, precision: str, world_size: int, rank: int, local_rank: int, options: Any = None) -> None:
+        super().__init__(precision, world_size, rank, local_rank)
+        if not tpu_present():
+            os.environ.setdefault("PJRT_DEVICE", "CPU")
+        import torch_xla
+        import torch_xla.runtime as xr
+
+        self.options = options
+        self.spmd = bool(options and options.spmd)
+        cache_dir = getattr(options, "compile_cache", "") if options else ""
+        if cache_dir and cache_dir != "none":
+            os.makedirs(cache_dir, exist_ok=True)
+            xr.initialize_cache(os.path.join(cache_dir, f"worker_{rank}"), readonly=False)
+        if self.spmd:
+            xr.use_spmd()
+        self._torch_xla = torch_xla
+        self.device = torch_xla.device()
+        self.host_collectives = world_size > 1 and not self.spmd and xr.device_type() == "CPU"
+        self.mesh = self._make_mesh() if self.spmd else None
+
+    # ------------------------------------------------------------- topology
+    def _make_mesh(self) -> Any:
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        devices = xr.global_runtime_device_count()
+        data, fsdp = mesh_shape(devices, self.options.mesh.data, self.options.mesh.fsdp)
+        return xs.Mesh(np.arange(devices), (data, fsdp), ("data", "fsdp"))
+
+    @property
+    def local_devices(self) -> int:
+        import torch_xla.runtime as xr
+
+        return xr.addressable_runtime_device_count() if self.spmd else 1
+
+    # --------------------------------------------------------------- model
+    def prepare_model(self, model: nn.Module, find_unused_parameters: bool = False) -> nn.Module:
+        return model.to(self.device)
+
+    def autocast(self) -> Any:
+        if self.precision == "fp32":
+            return super().autocast()
+        return torch.autocast("xla", dtype=torch.bfloat16)
+
+    # ---------------------------------------------------------------- step
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
+    ) -> torch.Tensor:
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.host_collectives:
+            self._all_reduce_on_host(grads)
+        elif self.world_size > 1 and not self.spmd:
+            import torch_xla.core.xla_model as xm
+
+            xm.reduce_gradients(optimizer)
+        norm = clip_or_measure(grads, max_norm)
+        optimizer.step()
+        return norm
+
+    def _all_reduce_on_host(self, grads: list[torch.Tensor]) -> None:
+        """Average gradients over the gloo group (CPU PJRT has no cross-process collectives)."""
+        self._torch_xla.sync()
+        flat = torch.cat([g.detach().cpu().reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        offset = 0
+        for grad in grads:
+            size = grad.numel()
+            grad.copy_(flat[offset : offset + size].view_as(grad).to(self.device))
+            offset += size
+
+    def mark_step(self) -> None:
+        self._torch_xla.sync()
+
+    def add_step_closure(self, fn: Callable[..., None], args: tuple = ()) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.add_step_closure(fn, args, run_async=False)
+
+    def device_loader(self, loader: Iterable, sample: dict[str, torch.Tensor] | None = None) -> Iterator:
+        import torch_xla.distributed.parallel_loader as pl
+
+        sharding = self.input_sharding(sample) if self.spmd and sample is not None else None
+        return iter(pl.MpDeviceLoader(loader, self.device, input_sharding=sharding))
+
+    def input_sharding(self, sample: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Shard every batch tensor along its batch dimension over the whole mesh."""
+        import torch_xla.distributed.spmd as xs
+
+        return {
+            key: xs.ShardingSpec(self.mesh, (("data", "fsdp"),) + (None,) * value.dim(), minibatch=self.world_size > 1)
+            for key, value in sample.items()
+        }
+
+    # ---------------------------------------------------------- state / rng
+    def rng_state(self) -> dict[str, Any]:
+        import torch_xla.core.xla_model as xm
+
+        return {"torch": torch.get_rng_state(), "xla": torch.tensor(xm.get_rng_state(), dtype=torch.int64)}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        import torch_xla.core.xla_model as xm
+
+        torch.set_rng_state(state["torch"])
+        if "xla" in state:
+            xm.set_rng_state(int(state["xla"]))
+
+    def seed(self, seed: int) -> None:
+        import torch_xla.core.xla_model as xm
+
+        torch.manual_seed(seed)
+        xm.set_rng_state(seed)
+
+    def to_cpu(self, obj: Any) -> Any:
+        self._torch_xla.sync()
+        return super().to_cpu(obj)
+
+    def metrics(self) -> dict[str, float]:
+        return xla_metrics()
+
+    def finish(self) -> None:
+        if self.options is not None and self.options.debug_metrics and self.is_main:
+            import torch_xla.debug.metrics as met
+
+            print(met.metrics_report())
+
+
+def mesh_shape(devices: int, data: int, fsdp: int) -> tuple[int, int]:
+    """Size the ``(data, fsdp)`` mesh; -1 on one axis means "the rest"."""
+    if data == -1 and fsdp == -1:
+        raise ValueError("xla.mesh: at most one of data and fsdp may be -1")
+    if data == -1:
+        data = devices // max(fsdp, 1)
+    if fsdp == -1:
+        fsdp = devices // max(data, 1)
+    if data * fsdp != devices:
+        raise ValueError(f"xla.mesh data={data} x fsdp={fsdp} must equal the {devices} devices of the worker")
+    return data, fsdp
+
+
+def xla_metrics() -> dict[str, float]:
+    """Compile count/time, CPU fallbacks and transfers from torch_xla's metrics."""
+    import torch_xla.debug.metrics as met
+
+    compile_data = met.metric_data("CompileTime")
+    to_device = met.metric_data("TransferToDeviceTime")
+    from_device = met.metric_data("TransferFromDeviceTime")
+    fallbacks = [name for name in met.counter_names() if name.startswith("aten::")]
+    return {
+        "xla/compiles": float(compile_data[0]) if compile_data else 0.0,
+        "xla/compile_seconds": compile_data[1] / 1e9 if compile_data else 0.0,
+        "xla/fallback_ops": float(sum(met.counter_value(name) or 0 for name in fallbacks)),
+        "xla/transfers_to_device": float(to_device[0]) if to_device else 0.0,
+        "xla/transfers_from_device": float(from_device[0]) if from_device else 0.0,
+    }

@@ -1,0 +1,83 @@
+"""Config loading, overrides, seed-flag aliases and errors."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from raytpu.config import ConfigError, dump_yaml, from_dict, load_config, parse_overrides, per_worker_batch, to_dict
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_and_dotted_overrides(tmp_path):
+    path = write(tmp_path, "job: {name: tests.toy_job, samples: 32}\noptim: {lr: 0.1}\nscaling: {num_workers: 2}\n")
+    cfg, job = load_config(path, ["optim.lr=1e-4", "scaling.num_workers=4", "job.features=3", "runtime=xla"])
+    assert job.name == "tests.toy_job"
+    assert cfg.optim.lr == pytest.approx(1e-4) and isinstance(cfg.optim.lr, float)
+    assert cfg.scaling.num_workers == 4 and cfg.scaling.runtime == "xla"
+    assert cfg.job.samples == 32 and cfg.job.features == 3
+
+
+def test_seed_script_flags_are_aliases(tmp_path):
+    path = write(tmp_path, "job: {name: tests.toy_job}\n")
+    cfg, _ = load_config(path, ["--batch-size", "16", "--seed=3", "--data-path", "/x"])
+    assert cfg.data.global_batch_size == 16 and cfg.run.seed == 3 and cfg.data.path == "/x"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optim.lrr=0.1", "unknown config key 'optim.lrr'; did you mean optim.lr"),
+        ("optimm.lr=0.1", "did you mean optim.lr"),
+        ("loop.epochs=many", "loop.epochs must be a number"),
+        ("scaling.runtime=tpu", "scaling.runtime='tpu' is not one of auto, cpu, cuda, xla"),
+        ("data.shuffle=maybe", "data.shuffle must be true or false"),
+        ("nonsense", "is not key=value"),
+    ],
+)
+def test_bad_overrides_name_the_fix(tmp_path, override, message):
+    path = write(tmp_path, "job: {name: tests.toy_job}\n")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(path, [override])
+
+
+def test_unknown_key_in_file_and_unknown_flag(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'loop.epoch'; did you mean loop.epochs"):
+        load_config(write(tmp_path, "job: {name: tests.toy_job}\nloop: {epoch: 3}\n"))
+    with pytest.raises(ConfigError, match="unknown flag --batch-sise; did you mean --batch-size"):
+        load_config(write(tmp_path, "job: {name: tests.toy_job}\n"), ["--batch-sise", "3"])
+
+
+def test_unknown_job_and_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="unknown job 'nosuchjob'"):
+        load_config(write(tmp_path, "job: {name: nosuchjob}\n"))
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg, _ = load_config(write(tmp_path, "job: {name: tests.toy_job}\n"), ["optim.lr=0.5"])
+    again, _ = from_dict(yaml.safe_load(dump_yaml(cfg)))
+    assert to_dict(again) == to_dict(cfg)
+
+
+def test_per_worker_batch():
+    assert per_worker_batch(16, 2, 2) == 4
+    with pytest.raises(ConfigError, match="use a multiple of 4"):
+        per_worker_batch(10, 2, 2)
+
+
+def test_parse_overrides_flag_needs_value():
+    with pytest.raises(ConfigError, match="needs a value"):
+        parse_overrides(["--lr"], {"--lr": "optim.lr"})
+
+
+def test_shipped_configs_load():
+    for path in ("jobs/mshnet/small.yaml", "jobs/mshnet/irstd1k.yaml"):
+        cfg, job = load_config(path)
+        assert job.name == "mshnet" and cfg.data.global_batch_size > 0

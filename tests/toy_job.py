@@ -1,0 +1,75 @@
+"""A tiny regression job used to test the loop quickly; also shows that a job
+outside ``jobs/`` plugs in by its dotted module path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from raytpu.job import Batch, Job, JobConfig, StepContext
+
+
+@dataclass
+class ToyConfig(JobConfig):
+    name: str = "tests.toy_job"
+    samples: int = 64
+    features: int = 8
+    noise: float = 0.1
+    dropout: float = 0.1
+
+
+class ToyData(Dataset):
+    def __init__(self, samples: int, features: int, noise: float, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(samples, features, generator=generator)
+        weight = torch.arange(1, features + 1, dtype=torch.float32) / features
+        self.y = self.x @ weight + noise * torch.randn(samples, generator=generator)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[index], "y": self.y[index : index + 1], "index": torch.tensor(index)}
+
+
+class ToyJob(Job):
+    name = "tests.toy_job"
+    config_class = ToyConfig
+    main_metric = "mse"
+    main_metric_mode = "min"
+    aliases = {"--batch-size": "data.global_batch_size"}
+
+    def build_model(self, cfg: Any) -> nn.Module:
+        return nn.Sequential(nn.Linear(cfg.job.features, 16), nn.Tanh(), nn.Dropout(cfg.job.dropout), nn.Linear(16, 1))
+
+    def build_dataset(self, cfg: Any, split: str, data_root: Path) -> Dataset:
+        seed = {"train": 0, "valid": 1, "test": 2}[split]
+        samples = cfg.job.samples if split == "train" else 16
+        return ToyData(samples, cfg.job.features, cfg.job.noise, seed)
+
+    def synthesize(self, out: Path, **options: Any) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "READY").write_text("toy data is generated in memory\n")
+
+    def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
+        loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+        return loss, {"loss": loss}
+
+    def eval_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> Batch:
+        error = (model(batch["x"]) - batch["y"]).pow(2).sum()
+        return {"sse": error, "count": torch.tensor(float(len(batch["x"])))}
+
+    def finish_eval(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
+        return {"mse": float(totals["sse"] / totals["count"])}
+
+
+JOB = ToyJob()
