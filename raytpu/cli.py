@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # jobs outside the package load by dotted path, as with `python -m`
     try:
         return dispatch(args)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
@@ -83,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     from raytpu import launcher
 
     overrides = list(args.overrides)
+    args.address = take_flag(overrides, "--address") or args.address
+    args.checkpoint = take_flag(overrides, "--checkpoint") or args.checkpoint
     if args.checkpoint:
         overrides.append(f"checkpoint.weights={args.checkpoint}")
     if args.command == "test":
@@ -95,6 +100,19 @@ def run(args: argparse.Namespace) -> int:
         return 0
     launcher.train(cfg, job, args.address)
     return 0
+
+
+def take_flag(items: list[str], flag: str) -> str | None:
+    """Remove ``flag VALUE`` / ``flag=VALUE`` from ``items`` (argparse leaves them in the remainder)."""
+    for index, item in enumerate(items):
+        if item == flag and index + 1 < len(items):
+            value = items[index + 1]
+            del items[index : index + 2]
+            return value
+        if item.startswith(flag + "="):
+            del items[index]
+            return item.split("=", 1)[1]
+    return None
 
 
 def data_command(args: argparse.Namespace) -> int:

@@ -68,7 +68,6 @@ def connect(address: str | None, quiet: bool = False) -> None:
     env["RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS"] = "0"
     kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": not quiet}
     if address is None:
-        kwargs["include_dashboard"] = False
         print("raytpu: no Ray cluster given (--address / RAY_ADDRESS); starting a local Ray instance", flush=True)
     ray.init(address=address, **kwargs)
 
@@ -85,7 +84,7 @@ def cluster_runtime(requested: str) -> str:
     return "cuda" if resources.get("GPU", 0) > 0 else "cpu"
 
 
-def build_trainer(cfg: Config, payload: dict[str, Any], mode: str = "train") -> Any:
+def build_trainer(cfg: Config, payload: dict[str, Any], name: str) -> Any:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -97,7 +96,7 @@ def build_trainer(cfg: Config, payload: dict[str, Any], mode: str = "train") -> 
         num_workers=cfg.scaling.num_workers, use_gpu=runtime == "cuda", resources_per_worker=resources
     )
     backend = "nccl" if runtime == "cuda" else "gloo"
-    name = cfg.run.name if mode == "train" else f"{cfg.run.name}-test"
+    mode = payload["mode"]
     checkpoints = CheckpointConfig(
         num_to_keep=cfg.checkpoint.num_to_keep,
         checkpoint_score_attribute="score" if mode == "train" else None,
@@ -128,7 +127,7 @@ def train(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.yaml").write_text(dump_yaml(cfg))
     payload = make_payload(cfg, job, directory, data_root, "train")
-    result = fit(build_trainer(cfg, payload))
+    result = fit(build_trainer(cfg, payload, cfg.run.name))
     best = result.get_best_checkpoint("score", payload["main_metric_mode"]) if result.best_checkpoints else None
     summary = {
         "run_dir": str(directory),
@@ -160,7 +159,7 @@ def test(cfg: Config, job: Job, address: str | None = None) -> dict[str, float]:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     directory = run_dir(cfg) / f"test-{stamp}"
     payload = make_payload(cfg, job, directory, data_root, "test")
-    result = fit(build_trainer(cfg, payload, mode="test"))
+    result = fit(build_trainer(cfg, payload, f"{cfg.run.name}/test-{stamp}"))
     metrics_file = Path(result.checkpoint.path) / "test_metrics.json"
     return json.loads(metrics_file.read_text())
 

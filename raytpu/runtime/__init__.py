@@ -180,8 +180,8 @@ class Runtime:
 
 def clip_or_measure(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)
-    return torch.nn.utils.get_total_norm(grads, foreach=True)
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=None)
+    return torch.nn.utils.get_total_norm(grads, foreach=None)
 
 
 def make_runtime(

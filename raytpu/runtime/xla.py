@@ -128,7 +128,7 @@ class XLARuntime(Runtime):
     def rng_state(self) -> dict[str, Any]:
         import torch_xla.core.xla_model as xm
 
-        return {"torch": torch.get_rng_state(), "xla": torch.tensor(xm.get_rng_state(), dtype=torch.int64)}
+        return {"torch": torch.get_rng_state(), "xla": int(xm.get_rng_state())}
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
         import torch_xla.core.xla_model as xm
