@@ -43,6 +43,7 @@ class StepContext:
     epoch: int
     step: int
     training: bool
+    config: Any = None  # the run's full Config (static for the whole run)
 
 
 class Job:

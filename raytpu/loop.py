@@ -262,7 +262,7 @@ class Trainer:
         p, cfg, rt = self.progress, self.cfg, self.runtime
         if cfg.loop.fail_at_step and p.step + 1 == cfg.loop.fail_at_step:
             raise RuntimeError(f"fault injected by loop.fail_at_step={cfg.loop.fail_at_step}")
-        ctx = StepContext(epoch=p.epoch, step=p.step, training=True)
+        ctx = StepContext(epoch=p.epoch, step=p.step, training=True, config=cfg)
         accum = cfg.loop.grad_accum
         loss_sum = None
         for micro in range(accum):
@@ -331,7 +331,7 @@ class Trainer:
     def evaluate(self, loader: DataLoader | None = None, prefix: str = "valid") -> dict[str, float]:
         model, rt = self.eval_model(), self.runtime
         model.eval()
-        ctx = StepContext(epoch=self.progress.epoch, step=self.progress.step, training=False)
+        ctx = StepContext(epoch=self.progress.epoch, step=self.progress.step, training=False, config=self.cfg)
         totals: dict[str, torch.Tensor] = {}
         images = {}
         for index, batch in enumerate(rt.device_loader(loader or self.valid_loader)):

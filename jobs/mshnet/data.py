@@ -1,0 +1,94 @@
+"""IRSTD-1k-layout dataset: ``images/NAME.png``, ``masks/NAME.png``, ``trainval.txt``, ``test.txt``.
+
+Training augmentation (flip, rescale of the long side in [0.5, 2] x base_size,
+pad, random crop, Gaussian blur p=0.5) draws from ``default_rng((seed, epoch,
+index))``: a pure function of those three numbers, whatever the worker, the
+DataLoader process or a resume in the middle of an epoch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageFilter, ImageOps
+from torch.utils.data import Dataset
+
+IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+LISTS = {"train": "trainval.txt", "test": "test.txt"}
+
+
+def read_names(root: Path, split: str) -> list[str]:
+    listing = root / LISTS[split]
+    for required in (root / "images", root / "masks", listing):
+        if not required.exists():
+            raise FileNotFoundError(
+                f"{required} is missing: an IRSTD-format data set needs images/, masks/, trainval.txt and test.txt; "
+                f"make one with `raytpu data synth mshnet --out {root}`"
+            )
+    names = [line.strip() for line in listing.read_text().splitlines() if line.strip()]
+    if not names:
+        raise ValueError(f"{listing} lists no images")
+    return names
+
+
+class IRSTDDataset(Dataset):
+    def __init__(self, root: Path, split: str, base_size: int, crop_size: int, seed: int = 0, augment: bool = True):
+        self.root = Path(root)
+        self.names = read_names(self.root, split)
+        self.base_size, self.crop_size = base_size, crop_size
+        self.augment = augment
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def load(self, index: int) -> tuple[Image.Image, Image.Image]:
+        name = self.names[index]
+        image = Image.open(self.root / "images" / f"{name}.png").convert("RGB")
+        mask = Image.open(self.root / "masks" / f"{name}.png").convert("L")
+        return image, mask
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        image, mask = self.load(index)
+        if self.augment:
+            rng = np.random.default_rng((self.seed, self.epoch, index))
+            image, mask = self.random_transform(rng, image, mask)
+        else:
+            size = (self.base_size, self.base_size)
+            image, mask = image.resize(size, Image.BILINEAR), mask.resize(size, Image.NEAREST)
+        pixels = (np.asarray(image, dtype=np.float32) / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
+        labels = (np.asarray(mask, dtype=np.float32) > 127).astype(np.float32)
+        return {
+            "image": torch.from_numpy(pixels.transpose(2, 0, 1).copy()),
+            "mask": torch.from_numpy(labels[None]),
+        }
+
+    def random_transform(
+        self, rng: np.random.Generator, image: Image.Image, mask: Image.Image
+    ) -> tuple[Image.Image, Image.Image]:
+        crop = self.crop_size
+        if rng.random() < 0.5:
+            image, mask = ImageOps.mirror(image), ImageOps.mirror(mask)
+        long_side = int(rng.integers(int(self.base_size * 0.5), int(self.base_size * 2.0) + 1))
+        width, height = image.size
+        scale = long_side / max(width, height)
+        new_size = (max(1, round(width * scale)), max(1, round(height * scale)))
+        image, mask = image.resize(new_size, Image.BILINEAR), mask.resize(new_size, Image.NEAREST)
+        pad_w, pad_h = max(crop - new_size[0], 0), max(crop - new_size[1], 0)
+        if pad_w or pad_h:
+            image = ImageOps.expand(image, border=(0, 0, pad_w, pad_h), fill=0)
+            mask = ImageOps.expand(mask, border=(0, 0, pad_w, pad_h), fill=0)
+        width, height = image.size
+        left, top = int(rng.integers(0, width - crop + 1)), int(rng.integers(0, height - crop + 1))
+        box = (left, top, left + crop, top + crop)
+        image, mask = image.crop(box), mask.crop(box)
+        if rng.random() < 0.5:
+            image = image.filter(ImageFilter.GaussianBlur(radius=float(rng.random())))
+        return image, mask
