@@ -102,3 +102,12 @@ def test_loss_gradients_are_finite_in_both_phases():
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         assert grads and all(torch.isfinite(g).all() for g in grads)
         assert (model.final.weight.grad is not None) == warm
+
+
+def test_matmul_upsampling_equals_bilinear_align_corners():
+    from jobs.mshnet.model import upsample
+
+    x = torch.randn(2, 3, 5, 7)
+    for factor in (2, 4, 8):
+        expected = F.interpolate(x, scale_factor=factor, mode="bilinear", align_corners=True)
+        torch.testing.assert_close(upsample(x, factor), expected, rtol=1e-5, atol=1e-5)

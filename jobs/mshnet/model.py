@@ -73,8 +73,24 @@ def stage(in_channels: int, out_channels: int, blocks: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def interpolation_matrix(size_in: int, size_out: int, like: torch.Tensor) -> torch.Tensor:
+    """(size_out, size_in) weights of 1-D linear interpolation with ``align_corners=True``."""
+    positions = torch.arange(size_out, device=like.device, dtype=like.dtype) * ((size_in - 1) / max(size_out - 1, 1))
+    sources = torch.arange(size_in, device=like.device, dtype=like.dtype)
+    return (1 - (positions[:, None] - sources[None, :]).abs()).clamp(min=0)
+
+
 def upsample(x: torch.Tensor, factor: int) -> torch.Tensor:
-    return F.interpolate(x, scale_factor=factor, mode="bilinear", align_corners=True)
+    """Bilinear upsampling (``align_corners=True``), written as two matmuls.
+
+    Same values as ``F.interpolate(..., mode="bilinear", align_corners=True)``,
+    but its backward is a matmul everywhere: torch_xla lowers the backward of
+    ``upsample_bilinear2d`` only on TPU and falls back to the CPU elsewhere.
+    """
+    height, width = x.shape[-2:]
+    rows = interpolation_matrix(height, height * factor, x)
+    cols = interpolation_matrix(width, width * factor, x)
+    return rows @ x @ cols.T
 
 
 class MSHNet(nn.Module):

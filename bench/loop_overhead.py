@@ -1,0 +1,107 @@
+"""Samples/s of the raytpu training loop vs a bare hand-written PyTorch loop.
+
+Same job, model, batch, optimizer and data, one process, CPU, measured side by
+side in one run (alternating, best of ``--repeats``). The last line is
+``ratio=<raytpu/bare>``; the target is at least 0.95.
+
+    python bench/loop_overhead.py [--job mshnet] [--steps 20] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from raytpu.config import load_config  # noqa: E402
+from raytpu.job import StepContext  # noqa: E402
+from raytpu.loop import LocalReporter, Trainer  # noqa: E402
+from raytpu.optim import build_optimizer  # noqa: E402
+from raytpu.runtime import make_runtime  # noqa: E402
+
+CONFIGS = {"mshnet": "jobs/mshnet/small.yaml", "cdeit": "jobs/cdeit/small.yaml"}
+
+
+def settings(job_name: str, data_dir: Path, steps: int, batch: int) -> list[str]:
+    return [
+        f"data.path={data_dir}",
+        f"data.global_batch_size={batch}",
+        f"loop.max_steps={steps}",
+        "loop.epochs=1000",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        f"loop.log_every={steps}",
+    ]
+
+
+def bare_loop(cfg, job, data_root: Path, warmup: int, steps: int) -> float:
+    """The loop a user would write by hand: no logging, no checkpoints, no sampler."""
+    torch.manual_seed(cfg.run.seed)
+    dataset = job.build_dataset(cfg, "train", data_root)
+    loader = DataLoader(dataset, batch_size=cfg.data.global_batch_size, shuffle=True, drop_last=True)
+    model = job.build_model(cfg).train()
+    optimizer = build_optimizer(cfg.optim, model.parameters())
+    done, start = 0, 0.0
+    while done < warmup + steps:
+        for batch in loader:
+            if done == warmup:
+                start = time.perf_counter()
+            ctx = StepContext(epoch=done // len(loader), step=done, training=True, config=cfg)
+            loss, _ = job.train_step(model, batch, ctx)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            done += 1
+            if done == warmup + steps:
+                break
+    return steps * cfg.data.global_batch_size / (time.perf_counter() - start)
+
+
+def raytpu_loop(cfg, job, data_root: Path, warmup: int, steps: int) -> float:
+    """The raytpu Trainer on the cpu runtime, timed over the same steps."""
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-loop-"))
+    trainer = Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), run_dir, data_root, LocalReporter(run_dir))
+    marks: dict[int, float] = {}
+    after_step = trainer._after_step
+
+    def timed_step() -> None:
+        after_step()
+        marks[trainer.progress.step] = time.perf_counter()
+
+    trainer._after_step = timed_step
+    trainer.evaluate = lambda *a, **k: {}
+    trainer._checkpoint = lambda metrics: None
+    trainer.fit()
+    return steps * cfg.data.global_batch_size / (marks[warmup + steps] - marks[warmup])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", default="mshnet", choices=sorted(CONFIGS))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    data_dir = Path(tempfile.mkdtemp(prefix="bench-data-")) / args.job
+    cfg, job = load_config(CONFIGS[args.job], settings(args.job, data_dir, args.warmup + args.steps, args.batch))
+    job.synthesize(data_dir, **job.synth_options(cfg))
+    bare, ours = [], []
+    for repeat in range(args.repeats):
+        bare.append(bare_loop(cfg, job, data_dir, args.warmup, args.steps))
+        ours.append(raytpu_loop(cfg, job, data_dir, args.warmup, args.steps))
+        print(f"repeat {repeat}: bare {bare[-1]:.2f} samples/s, raytpu {ours[-1]:.2f} samples/s", flush=True)
+    print(f"job={args.job} batch={args.batch} steps={args.steps} threads={torch.get_num_threads()}")
+    print(f"bare={max(bare):.2f} samples/s raytpu={max(ours):.2f} samples/s (best of {args.repeats})")
+    print(f"ratio={max(ours) / max(bare):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Shared fixtures: one local Ray instance for the whole session (starting Ray costs ~5-30 s)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    from raytpu.launcher import connect
+
+    os.environ.pop("RAY_ADDRESS", None)
+    connect(None)
+    yield ray
+    ray.shutdown()
+
+
+def run_python(args: list[str], env: dict[str, str] | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run ``python args`` from the repo root in a fresh process (XLA settings are per process)."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
