@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     synth = data.add_parser("synth", help="write a small synthetic data set in the job's native layout")
     synth.add_argument("job")
-    synth.add_argument("--out", required=True, type=Path)
+    synth.add_argument("--out", help="output folder (required)")
     synth.add_argument("options", nargs=argparse.REMAINDER, help="job options, e.g. --n 100 --size 128 --seed 0")
     stats = data.add_parser("stats", help="compute normalisation statistics from the train split")
     stats.add_argument("job")
@@ -118,10 +118,14 @@ def take_flag(items: list[str], flag: str) -> str | None:
 def data_command(args: argparse.Namespace) -> int:
     job = load_job(args.job)
     if args.data_command == "synth":
-        options = parse_options(args.options)
+        items = list(args.options)
+        out = take_flag(items, "--out") or args.out
+        if not out:
+            raise ValueError(f"data synth needs --out DIR, e.g. raytpu data synth {job.name} --out data/{job.name}")
+        options = parse_options(items)
         check_options(job.synthesize, options)
-        job.synthesize(args.out, **options)
-        print(f"wrote a synthetic {job.name} data set to {args.out}")
+        job.synthesize(Path(out), **options)
+        print(f"wrote a synthetic {job.name} data set to {out}")
         return 0
     if args.data_command == "stats":
         stats = getattr(job, "compute_stats", None)

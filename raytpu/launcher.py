@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from raytpu.config import Config, ConfigError, dump_yaml, from_dict, to_dict
+from raytpu.config import Config, ConfigError, dump_yaml, from_dict, per_worker_batch, to_dict
 from raytpu.job import Job
 
 os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
@@ -120,6 +120,7 @@ def build_trainer(cfg: Config, payload: dict[str, Any], name: str) -> Any:
 # -------------------------------------------------------------------- runs
 def train(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
     """Train through Ray and print where everything is; returns a summary."""
+    per_worker_batch(cfg.data.global_batch_size, cfg.scaling.num_workers, cfg.loop.grad_accum)
     data_root = resolve_data_root(cfg, job)
     connect(address)
     cfg.scaling.runtime = cluster_runtime(cfg.scaling.runtime)

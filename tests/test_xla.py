@@ -20,9 +20,20 @@ def irstd(tmp_path_factory):
 
 
 def probe(root, env: dict[str, str], *overrides: str) -> dict:
-    args = ["-m", "tests.xla_probe", "3", "job.name=mshnet", f"data.path={root}", "job.base_size=32",
-            "job.crop_size=32", "job.warm_epoch=0", "data.global_batch_size=4", "loop.max_steps=6",
-            "loop.log_every=1", *overrides]
+    args = [
+        "-m",
+        "tests.xla_probe",
+        "3",
+        "job.name=mshnet",
+        f"data.path={root}",
+        "job.base_size=32",
+        "job.crop_size=32",
+        "job.warm_epoch=0",
+        "data.global_batch_size=4",
+        "loop.max_steps=6",
+        "loop.log_every=1",
+        *overrides,
+    ]
     done = run_python(args, env={"PJRT_DEVICE": "CPU", **env})
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

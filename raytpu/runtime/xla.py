@@ -47,7 +47,8 @@ class XLARuntime(Runtime):
             xr.use_spmd()
         self._torch_xla = torch_xla
         self.device = torch_xla.device()
-        self.host_collectives = world_size > 1 and not self.spmd and xr.device_type() == "CPU"
+        # CPU PJRT processes share no collectives: several of them are data-parallel over the host gloo group
+        self.host_collectives = world_size > 1 and xr.device_type() == "CPU"
         self.mesh = self._make_mesh() if self.spmd else None
 
     # ------------------------------------------------------------- topology
@@ -58,6 +59,11 @@ class XLARuntime(Runtime):
         devices = xr.global_runtime_device_count()
         data, fsdp = mesh_shape(devices, self.options.mesh.data, self.options.mesh.fsdp)
         return xs.Mesh(np.arange(devices), (data, fsdp), ("data", "fsdp"))
+
+    @property
+    def multi_host(self) -> bool:
+        """One SPMD program over several hosts: each host feeds its slice of the global batch."""
+        return self.spmd and self.world_size > 1 and not self.host_collectives
 
     @property
     def local_devices(self) -> int:
@@ -120,7 +126,7 @@ class XLARuntime(Runtime):
         import torch_xla.distributed.spmd as xs
 
         return {
-            key: xs.ShardingSpec(self.mesh, (("data", "fsdp"),) + (None,) * value.dim(), minibatch=self.world_size > 1)
+            key: xs.ShardingSpec(self.mesh, (("data", "fsdp"),) + (None,) * value.dim(), minibatch=self.multi_host)
             for key, value in sample.items()
         }
 

@@ -1,0 +1,68 @@
+"""CLI errors (one line, non-zero exit, before any Ray start) and the runtime/precision policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytpu import cli
+from raytpu.runtime import pick_runtime, resolve_precision
+from tests.conftest import ROOT
+
+SMALL = str(ROOT / "jobs/mshnet/small.yaml")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", SMALL, "optim.lrr=1"], "unknown config key 'optim.lrr'; did you mean optim.lr"),
+        (["train", SMALL, "--batch-size", "7"], "not divisible by 2 data-parallel workers"),
+        (
+            ["train", SMALL, "data.path=/nowhere", "data.synthesize_if_missing=false"],
+            "no data: neither '/nowhere' nor 'data/mshnet",
+        ),
+        (["train", "nope.yaml"], "config file 'nope.yaml' not found"),
+        (["test", SMALL], "test mode needs weights"),
+        (["test", SMALL, "--checkpoint", "/no/ckpt"], "checkpoint '/no/ckpt' not found"),
+        (["data", "synth", "nosuchjob", "--out", "x"], "unknown job 'nosuchjob'"),
+        (["data", "synth", "mshnet", "--out", "x", "--count", "3"], "unknown option --count; this job accepts --n"),
+    ],
+)
+def test_user_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no ./data/<job> fallback from the repository
+    code = cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("raytpu: error: ") and "\n" not in err
+    assert message in err, err
+
+
+def test_data_synth_writes_the_layout(tmp_path, capsys):
+    assert cli.main(["data", "synth", "mshnet", "--out", str(tmp_path), "--n", "5", "--size", "32"]) == 0
+    assert len(list((tmp_path / "images").glob("*.png"))) == 5
+
+
+@pytest.mark.parametrize(
+    ("tpu", "gpu", "expected"), [(True, True, "xla"), (False, True, "cuda"), (False, False, "cpu")]
+)
+def test_auto_runtime(tpu, gpu, expected):
+    assert pick_runtime("auto", tpu, gpu) == expected
+    assert pick_runtime("cpu", tpu, gpu) == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("runtime", "asked", "bf16_ok", "expected", "warns"),
+    [
+        ("xla", "auto", True, "bf16", False),
+        ("cuda", "auto", True, "fp16", False),
+        ("cpu", "auto", True, "fp32", False),
+        ("xla", "fp16", True, "bf16", True),
+        ("cpu", "fp16", True, "fp32", True),
+        ("cuda", "bf16", False, "fp16", True),
+        ("cuda", "bf16", True, "bf16", False),
+        ("xla", "fp32", True, "fp32", False),
+    ],
+)
+def test_precision_follows_the_device(runtime, asked, bf16_ok, expected, warns):
+    precision, warning = resolve_precision(runtime, asked, bf16_ok)
+    assert precision == expected
+    assert (warning is not None) == warns
