@@ -34,6 +34,10 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
+class RecompileError(RuntimeError):
+    pass
+
+
 class Reporter:
     """Where checkpoints and metrics go: Ray Train, or a local folder."""
 
@@ -112,6 +116,7 @@ class Trainer:
         self.rank = runtime.rank
         self._stop_reason: str | None = None
         self._last_log = (time.perf_counter(), 0)
+        self.recompiles = 0
 
     # ------------------------------------------------------------ build
     def _seed(self) -> None:
@@ -250,10 +255,12 @@ class Trainer:
         batches = self.runtime.device_loader(self.train_loader, self._sample)
         self.model.train()
         self._last_log = (time.perf_counter(), p.step)
-        for _ in range(done_in_epoch, self.steps_per_epoch):
+        for index in range(done_in_epoch, self.steps_per_epoch):
+            compiles_before = self.runtime.compile_count()
             self._train_step(batches)
             p.step += 1
             self._after_step()
+            self._guard_recompile(index - done_in_epoch, self.runtime.compile_count() - compiles_before)
             if p.step >= self.total_steps:
                 return p.step % self.steps_per_epoch == 0
         return True
@@ -293,6 +300,24 @@ class Trainer:
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < self.total_steps:
             self._checkpoint({})
 
+    def _guard_recompile(self, steps_into_epoch: int, compiles: int) -> None:
+        """After warm-up a training step must reuse its compiled graph.
+
+        The first two steps of every epoch (and of a resumed run) may compile:
+        the first builds the step, the second sees the optimizer state it
+        created, and jobs may change graphs at an epoch (MSHNet's warm-up).
+        """
+        if compiles <= 0 or steps_into_epoch < 2:
+            return
+        self.recompiles += compiles
+        text = (
+            f"step {self.progress.step} recompiled the XLA graph ({compiles} compile(s)); "
+            "rerun with PT_XLA_DEBUG_LEVEL=2 to see why (a changing shape, a Python value or a .item())"
+        )
+        if self.cfg.xla.strict_recompile:
+            raise RecompileError(text + "; xla.strict_recompile=true stops the run")
+        self._message(f"warning: {text}")
+
     def _log_closure(self, stats: torch.Tensor, step: int, lr: float) -> None:
         values = dict(zip(self._stat_names, stats.cpu().tolist()))
         if values.pop("nonfinite") > 0 and self.cfg.loop.stop_on_nonfinite:
@@ -320,6 +345,8 @@ class Trainer:
             }
         )
         scalars.update(self.runtime.metrics())
+        if self.runtime.name == "xla":
+            scalars["xla/recompiles_after_warmup"] = float(self.recompiles)
         self.logger.scalars(scalars, step)
         self.logger.progress(step, {"loss": values["loss"], "lr": lr, "gnorm": values["grad_norm"]})
 
@@ -366,7 +393,8 @@ class Trainer:
     def _checkpoint(self, metrics: dict[str, float]) -> None:
         p, rt = self.progress, self.runtime
         best = self._score(metrics)
-        worst = float("-inf") if self.job.main_metric_mode == "max" else float("inf")
+        # finite: Ray's checkpoint snapshot is JSON, where an infinity comes back as null
+        worst = -1e30 if self.job.main_metric_mode == "max" else 1e30
         report = {
             **metrics,
             "step": p.step,

@@ -47,3 +47,18 @@ def test_training_step_compiles_once_and_has_no_cpu_fallback(irstd, devices, spm
     assert report["compiles_after_warmup"] == 0, report
     assert report["fallbacks_after_warmup"] == [], report
     assert all(loss == loss for loss in report["losses"])  # finite, read back through step closures
+
+
+def test_recompile_guard_fails_a_strict_run(tmp_path):
+    args = [
+        "-m",
+        "tests.xla_probe",
+        "1",
+        "job.name=tests.toy_job",
+        "job.vary_shape=true",
+        "loop.max_steps=6",
+        "xla.strict_recompile=true",
+    ]
+    done = run_python(args, env={"PJRT_DEVICE": "CPU"})
+    assert done.returncode != 0
+    assert "recompiled the XLA graph" in done.stderr and "PT_XLA_DEBUG_LEVEL=2" in done.stderr

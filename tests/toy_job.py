@@ -21,6 +21,7 @@ class ToyConfig(JobConfig):
     features: int = 8
     noise: float = 0.1
     dropout: float = 0.1
+    vary_shape: bool = False  # a new batch shape every step: forces XLA recompiles (guard test)
 
 
 class ToyData(Dataset):
@@ -61,7 +62,11 @@ class ToyJob(Job):
         (out / "READY").write_text("toy data is generated in memory\n")
 
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
-        loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+        x, y = batch["x"], batch["y"]
+        if ctx.config.job.vary_shape:
+            keep = 1 + ctx.step % len(x)
+            x, y = x[:keep], y[:keep]
+        loss = nn.functional.mse_loss(model(x), y)
         return loss, {"loss": loss}
 
     def eval_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> Batch:

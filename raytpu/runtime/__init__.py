@@ -170,6 +170,10 @@ class Runtime:
             return type(obj)(self.to_cpu(v) for v in obj)
         return obj
 
+    def compile_count(self) -> int:
+        """Graphs compiled so far (XLA); 0 where nothing is compiled."""
+        return 0
+
     def metrics(self) -> dict[str, float]:
         """Backend counters worth logging (XLA compiles...)."""
         return {}

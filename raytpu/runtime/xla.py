@@ -153,6 +153,12 @@ class XLARuntime(Runtime):
         self._torch_xla.sync()
         return super().to_cpu(obj)
 
+    def compile_count(self) -> int:
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")
+        return int(data[0]) if data else 0
+
     def metrics(self) -> dict[str, float]:
         return xla_metrics()
 
