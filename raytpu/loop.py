@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from raytpu import checkpoint as ckpt
@@ -186,7 +187,7 @@ class Trainer:
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
         self.ema = EMA(self.runtime.unwrap(self.model), cfg.loop.ema_beta) if cfg.loop.ema_beta else None
         self.nonfinite = torch.zeros((), device=self.runtime.device)
-        self._sample = {k: v for k, v in self.train_set[0].items()}
+        self._sample = dict(self.train_set[0])  # shapes for the XLA input sharding
 
     # ----------------------------------------------------------- resume
     def _restore(self) -> bool:
@@ -197,9 +198,9 @@ class Trainer:
             return False
         meta = ckpt.read_meta(directory)
         unwrapped = self.runtime.unwrap(self.model)
-        unwrapped.load_state_dict(_weights(directory, ckpt.MODEL))
+        unwrapped.load_state_dict(load_file(directory / ckpt.MODEL))
         if self.ema is not None and (directory / ckpt.EMA).is_file():
-            self.ema.model.load_state_dict(_weights(directory, ckpt.EMA))
+            self.ema.model.load_state_dict(load_file(directory / ckpt.EMA))
         state = ckpt.load_torch(directory / ckpt.TRAIN_STATE)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -473,12 +474,6 @@ class ResumableSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return self.num_samples
-
-
-def _weights(directory: Path, name: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(directory / name)
 
 
 def _first(batch: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor]:
