@@ -16,6 +16,7 @@ from typing import Any
 
 from raytpu.config import Config, ConfigError, dump_yaml, from_dict, per_worker_batch, to_dict
 from raytpu.job import Job
+from raytpu.tpu import check_num_workers, slice_spec, workers_for_layout
 
 os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
 
@@ -91,10 +92,7 @@ def build_trainer(cfg: Config, payload: dict[str, Any], name: str) -> Any:
     from raytpu.loop import train_worker_entry
 
     runtime = cfg.scaling.runtime
-    resources = {"CPU": cfg.scaling.cpus_per_worker, **cfg.scaling.resources_per_worker}
-    scaling = ScalingConfig(
-        num_workers=cfg.scaling.num_workers, use_gpu=runtime == "cuda", resources_per_worker=resources
-    )
+    scaling = ScalingConfig(**scaling_kwargs(cfg))
     backend = "nccl" if runtime == "cuda" else "gloo"
     mode = payload["mode"]
     checkpoints = CheckpointConfig(
@@ -115,6 +113,30 @@ def build_trainer(cfg: Config, payload: dict[str, Any], name: str) -> Any:
         torch_config=TorchConfig(backend=backend),
         run_config=run_config,
     )
+
+
+def scaling_kwargs(cfg: Config) -> dict[str, Any]:
+    """``ScalingConfig`` arguments. On a TPU slice (``scaling.tpu.accelerator_type``
+    set) Ray gang-schedules the whole slice: one worker per host (spmd) or per
+    chip (multiprocess), checked against ``num_workers`` here."""
+    resources = {"CPU": cfg.scaling.cpus_per_worker, **cfg.scaling.resources_per_worker}
+    kwargs: dict[str, Any] = {
+        "num_workers": cfg.scaling.num_workers,
+        "use_gpu": cfg.scaling.runtime == "cuda",
+        "resources_per_worker": resources,
+    }
+    tpu = cfg.scaling.tpu
+    if cfg.scaling.runtime == "xla" and tpu.accelerator_type:
+        spec = slice_spec(tpu.accelerator_type, tpu.topology)
+        check_num_workers(spec, tpu.layout, cfg.scaling.num_workers)
+        _, tpu_resources = workers_for_layout(spec, tpu.layout)
+        kwargs.update(
+            use_tpu=True,
+            topology=spec.topology,
+            accelerator_type=spec.accelerator_type,
+            resources_per_worker={**resources, **tpu_resources},
+        )
+    return kwargs
 
 
 # -------------------------------------------------------------------- runs

@@ -507,6 +507,8 @@ def train_worker_entry(payload: dict[str, Any]) -> None:
     run_dir = Path(payload["run_dir"])
     context = ray.train.get_context()
     cfg.xla.compile_cache = cfg.xla.compile_cache or str(run_dir / "xla_cache")
+    if cfg.scaling.runtime == "xla" and cfg.scaling.tpu.accelerator_type and cfg.scaling.tpu.layout == "multiprocess":
+        configure_chip_process(cfg, context.get_world_rank(), context.get_local_rank())
     runtime = make_runtime(
         cfg.scaling.runtime,
         cfg.scaling.precision,
@@ -525,3 +527,21 @@ def train_worker_entry(payload: dict[str, Any]) -> None:
         if runtime.is_main:
             ckpt.save_json(Path(tmp) / "test_metrics.json", metrics)
         reporter.report(metrics, Path(tmp) if runtime.is_main else None, "test")
+
+
+def configure_chip_process(cfg: Config, world_rank: int, local_rank: int) -> None:
+    """Per-chip layout: give this process torch_xla's PJRT multi-process environment
+    (before torch_xla is imported), from the slice spec and every host's address."""
+    import ray
+    import torch.distributed as dist
+
+    from raytpu.tpu import apply_env, pjrt_env_for_process, slice_spec
+
+    spec = slice_spec(cfg.scaling.tpu.accelerator_type, cfg.scaling.tpu.topology)
+    addresses: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(addresses, ray.util.get_node_ip_address())
+    hosts = addresses[:: spec.chips_per_host]
+    env = pjrt_env_for_process(
+        world_rank, local_rank, spec.chips_per_host, world_rank // spec.chips_per_host, hosts, topology=spec.topology
+    )
+    apply_env(env)

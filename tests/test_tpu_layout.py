@@ -380,3 +380,52 @@ def test_pjrt_env_matches_torch_xla() -> None:
     for (_, expected), theirs in zip(PJRT_CASES, from_torch_xla):
         ours = {k: v for k, v in expected.items() if not k.startswith("PJRT_")}
         assert theirs == ours
+
+
+# ---------------------------------------------------------------- launcher: config -> Ray ScalingConfig
+@pytest.mark.parametrize(
+    ("accelerator", "topology", "layout", "workers", "tpu_per_worker"),
+    [
+        ("TPU-V5LITEPOD", "2x4", "spmd", 1, 8),
+        ("TPU-V5LITEPOD", "4x4", "spmd", 4, 4),
+        ("TPU-V5LITEPOD", "4x4", "multiprocess", 16, 1),
+        ("TPU-V4", "2x2x2", "spmd", 2, 4),
+    ],
+)
+def test_config_becomes_a_ray_tpu_scaling_config(accelerator, topology, layout, workers, tpu_per_worker):
+    from ray.train import ScalingConfig
+
+    from raytpu.config import load_config
+    from raytpu.launcher import scaling_kwargs
+
+    cfg, _ = load_config(
+        "jobs/mshnet/small.yaml",
+        [
+            "runtime=xla",
+            f"scaling.tpu.accelerator_type={accelerator}",
+            f"scaling.tpu.topology={topology}",
+            f"scaling.tpu.layout={layout}",
+            f"scaling.num_workers={workers}",
+        ],
+    )
+    kwargs = scaling_kwargs(cfg)
+    scaling = ScalingConfig(**kwargs)  # Ray's own validation of topology vs workers
+    assert scaling.use_tpu and scaling.topology == topology
+    assert scaling.num_tpus_per_worker == tpu_per_worker
+
+
+def test_wrong_worker_count_for_the_slice_is_a_clear_error():
+    from raytpu.config import load_config
+    from raytpu.launcher import scaling_kwargs
+
+    cfg, _ = load_config(
+        "jobs/mshnet/small.yaml",
+        [
+            "runtime=xla",
+            "scaling.tpu.accelerator_type=TPU-V5LITEPOD",
+            "scaling.tpu.topology=4x4",
+            "scaling.num_workers=2",
+        ],
+    )
+    with pytest.raises(ValueError, match="needs num_workers=4"):
+        scaling_kwargs(cfg)
