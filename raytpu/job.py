@@ -100,7 +100,7 @@ class Job:
         """Optional images for TensorBoard at eval: name -> (N, C, H, W) in [0, 1]."""
         return {}
 
-    def test(self, model: nn.Module, cfg: Any, run_dir: Path) -> dict[str, float]:
+    def test(self, model: nn.Module, cfg: Any, run_dir: Path, data_root: Path) -> dict[str, float]:
         """Optional job-specific test mode, run on rank 0 (e.g. a diffusion sampler).
 
         Jobs that do not override it are tested by evaluating the test split

@@ -445,7 +445,7 @@ class Trainer:
         if type(self.job).test is not Job.test:
             if not self.runtime.is_main:
                 return {}
-            custom = self.job.test(self.runtime.unwrap(self.model), cfg, self.run_dir)
+            custom = self.job.test(self.runtime.unwrap(self.model), cfg, self.run_dir, self.data_root)
             return {f"test/{k}": float(v) for k, v in custom.items()}
         test_set = self.job.build_dataset(cfg, "test", self.data_root)
         return self.evaluate(self._eval_loader(test_set), prefix="test")

@@ -108,8 +108,7 @@ class Runtime:
         self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
     ) -> torch.Tensor:
         """Clip (if ``max_norm``), step, and return the pre-clip gradient norm (a tensor)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = clip_or_measure(grads, max_norm)
+        norm = clip_or_measure(params, max_norm)
         optimizer.step()
         return norm
 
@@ -182,10 +181,11 @@ class Runtime:
         """End of training: print reports, release resources."""
 
 
-def clip_or_measure(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_or_measure(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Total gradient norm of ``params`` (a tensor, no host sync); clips in place when ``max_norm > 0``."""
     if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=None)
-    return torch.nn.utils.get_total_norm(grads, foreach=None)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=None)
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=None)
 
 
 def make_runtime(

@@ -40,7 +40,7 @@ class DDPRuntime(Runtime):
         if self.scaler is None:
             return super().optimizer_step(optimizer, params, max_norm)
         self.scaler.unscale_(optimizer)
-        norm = clip_or_measure([p.grad for p in params if p.grad is not None], max_norm)
+        norm = clip_or_measure(params, max_norm)
         self.scaler.step(optimizer)
         self.scaler.update()
         return norm

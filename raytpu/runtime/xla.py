@@ -91,7 +91,7 @@ class XLARuntime(Runtime):
             import torch_xla.core.xla_model as xm
 
             xm.reduce_gradients(optimizer)
-        norm = clip_or_measure(grads, max_norm)
+        norm = clip_or_measure(params, max_norm)
         optimizer.step()
         return norm
 
