@@ -104,3 +104,19 @@ def test_tensorboard_scalars_are_written(tmp_path):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/grad_norm", "perf/samples_per_s", "valid/mse"} <= tags
+
+
+def test_gradient_clipping_clips_and_reports_the_pre_clip_norm():
+    from torch import nn
+
+    from raytpu.runtime import clip_or_measure
+
+    layer = nn.Linear(4, 1)
+    layer(torch.ones(2, 4)).sum().mul(100).backward()
+    params = list(layer.parameters())
+    before = torch.cat([p.grad.flatten() for p in params]).norm()
+    norm = clip_or_measure(params, max_norm=1.0)
+    torch.testing.assert_close(norm, before)
+    after = torch.cat([p.grad.flatten() for p in params]).norm()
+    torch.testing.assert_close(after, torch.tensor(1.0), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(clip_or_measure(params, 0.0), after)

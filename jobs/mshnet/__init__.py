@@ -20,16 +20,26 @@ from raytpu.job import Batch, Job, JobConfig, StepContext
 
 @dataclass
 class MSHNetConfig(JobConfig):
+    """The ``job:`` section of an MSHNet config (defaults: the paper's IRSTD-1k settings)."""
+
     name: str = "mshnet"
-    base_size: int = 256
-    crop_size: int = 256
+    base_size: int = 256  # eval resize and the centre of the train rescale range
+    crop_size: int = 256  # train crop
     warm_epoch: int = 5  # epochs trained with the level-0 head and plain soft-IoU loss
     widths: list[int] = field(default_factory=lambda: [16, 32, 64, 128, 256])
-    synth_n: int = 100
+    synth_n: int = 100  # images made by `raytpu data synth` / data.synthesize_if_missing
     synth_size: int = 256
+    legacy_fa: bool = False  # count Fa as the authors' PD_FA does (see jobs/mshnet/metrics.py)
 
 
 class MSHNetJob(Job):
+    """MSHNet on IRSTD-format data: SLS loss, mIoU/nIoU/Pd/Fa evaluation, the authors' flags.
+
+    Evaluation always uses the fused output (``warm_flag=True``), as the
+    authors' test mode does; during warm-up that output is still untrained, so
+    the epochs' eval numbers only mean something from ``warm_epoch`` on.
+    """
+
     name = "mshnet"
     config_class = MSHNetConfig
     main_metric = "mIoU"
@@ -53,10 +63,11 @@ class MSHNetJob(Job):
         return MSHNet(3, cfg.job.widths)
 
     def build_dataset(self, cfg: Any, split: str, data_root: Path) -> Dataset:
-        train = split == "train"
-        return IRSTDDataset(
-            data_root, "train" if train else "test", cfg.job.base_size, cfg.job.crop_size, cfg.run.seed, augment=train
-        )
+        """``train``: trainval.txt with augmentation; ``valid`` and ``test``: test.txt resized to base_size."""
+        if split not in ("train", "valid", "test"):
+            raise ValueError(f"unknown split {split!r}; MSHNet has train, valid and test")
+        source = "train" if split == "train" else "test"
+        return IRSTDDataset(data_root, source, cfg.job.base_size, cfg.job.crop_size, cfg.run.seed)
 
     def synthesize(self, out: Path, n: int = 100, size: int = 128, seed: int = 0) -> None:
         synthesize(out, n=n, size=size, seed=seed)
@@ -65,24 +76,25 @@ class MSHNetJob(Job):
         return {"n": cfg.job.synth_n, "size": cfg.job.synth_size, "seed": cfg.run.seed}
 
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
+        """SLS loss; a Python flag picks the phase, so on XLA the switch is one extra graph."""
         warm = ctx.epoch >= ctx.config.job.warm_epoch
         side, logits = model(batch["image"], warm)
         loss = mshnet_loss(side, logits, batch["mask"], warm)
         return loss, {"loss": loss}
 
     def eval_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> Batch:
+        """Summable mIoU/nIoU/Pd/Fa counts of the fused output (CPU float64 scalars)."""
         _, logits = model(batch["image"], True)
-        return metrics.batch_stats(logits, batch["mask"])
+        return metrics.batch_stats(logits, batch["mask"], ctx.config.job.legacy_fa)
 
     def finish_eval(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         return metrics.finish(totals)
 
     def eval_images(self, model: nn.Module, batch: Batch, ctx: StepContext) -> dict[str, torch.Tensor]:
+        """Grey input (first channel, de-normalised), label and sigmoid prediction, each (N, 1, H, W) in [0, 1]."""
         _, logits = model(batch["image"], True)
-        mean = torch.as_tensor(IMAGENET_MEAN, device=logits.device).view(1, 3, 1, 1)
-        std = torch.as_tensor(IMAGENET_STD, device=logits.device).view(1, 3, 1, 1)
-        image = (batch["image"] * std + mean).clamp(0, 1)
-        return {"input": image, "label": batch["mask"], "prediction": torch.sigmoid(logits.float())}
+        grey = batch["image"][:, :1].float() * float(IMAGENET_STD[0]) + float(IMAGENET_MEAN[0])
+        return {"input": grey.clamp(0, 1), "label": batch["mask"].float(), "prediction": torch.sigmoid(logits.float())}
 
 
 JOB = MSHNetJob()

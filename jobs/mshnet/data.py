@@ -1,9 +1,10 @@
 """IRSTD-1k-layout dataset: ``images/NAME.png``, ``masks/NAME.png``, ``trainval.txt``, ``test.txt``.
 
 Training augmentation (flip, rescale of the long side in [0.5, 2] x base_size,
-pad, random crop, Gaussian blur p=0.5) draws from ``default_rng((seed, epoch,
-index))``: a pure function of those three numbers, whatever the worker, the
-DataLoader process or a resume in the middle of an epoch.
+pad, random crop, Gaussian blur p=0.5, as the authors' ``_sync_transform``)
+draws from ``default_rng((seed, epoch, index))`` only: a pure function of
+those three numbers, whatever the worker, the DataLoader process or a resume in
+the middle of an epoch. Evaluation resizes to base_size x base_size.
 """
 
 from __future__ import annotations
@@ -21,25 +22,59 @@ LISTS = {"train": "trainval.txt", "test": "test.txt"}
 
 
 def read_names(root: Path, split: str) -> list[str]:
+    """Image names of ``split``; a one-line error naming what is missing and how to make a data set."""
+    if split not in LISTS:
+        raise ValueError(f"unknown IRSTD split {split!r}; use one of {sorted(LISTS)}")
     listing = root / LISTS[split]
     for required in (root / "images", root / "masks", listing):
         if not required.exists():
             raise FileNotFoundError(
                 f"{required} is missing: an IRSTD-format data set needs images/, masks/, trainval.txt and test.txt; "
-                f"make one with `raytpu data synth mshnet --out {root}`"
+                f"point --dataset-dir at one or make one with `raytpu data synth mshnet --out {root}`"
             )
     names = [line.strip() for line in listing.read_text().splitlines() if line.strip()]
     if not names:
-        raise ValueError(f"{listing} lists no images")
+        raise ValueError(f"{listing} lists no images; add names (without .png), one per line")
     return names
 
 
+def to_tensors(image: Image.Image, mask: Image.Image) -> dict[str, torch.Tensor]:
+    """ImageNet-normalised (3, H, W) image and a {0, 1} (1, H, W) mask, both float32."""
+    pixels = (np.asarray(image, dtype=np.float32) / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
+    labels = (np.asarray(mask, dtype=np.float32) > 127).astype(np.float32)
+    return {
+        "image": torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1))),
+        "mask": torch.from_numpy(labels[None]),
+    }
+
+
+def rescale_size(width: int, height: int, long_side: int) -> tuple[int, int]:
+    """(width, height) with the longer side set to ``long_side``, rounded half up as the authors do."""
+    if height > width:
+        return max(1, int(width * long_side / height + 0.5)), long_side
+    return long_side, max(1, int(height * long_side / width + 0.5))
+
+
 class IRSTDDataset(Dataset):
-    def __init__(self, root: Path, split: str, base_size: int, crop_size: int, seed: int = 0, augment: bool = True):
+    """Map-style IRSTD data set; ``split`` is ``"train"`` (trainval.txt) or ``"test"`` (test.txt).
+
+    ``augment`` defaults to ``split == "train"``. Items have fixed shapes:
+    crop_size x crop_size when augmenting, base_size x base_size otherwise.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        split: str,
+        base_size: int,
+        crop_size: int,
+        seed: int = 0,
+        augment: bool | None = None,
+    ) -> None:
         self.root = Path(root)
         self.names = read_names(self.root, split)
         self.base_size, self.crop_size = base_size, crop_size
-        self.augment = augment
+        self.augment = split == "train" if augment is None else augment
         self.seed = seed
         self.epoch = 0
 
@@ -63,32 +98,26 @@ class IRSTDDataset(Dataset):
         else:
             size = (self.base_size, self.base_size)
             image, mask = image.resize(size, Image.BILINEAR), mask.resize(size, Image.NEAREST)
-        pixels = (np.asarray(image, dtype=np.float32) / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
-        labels = (np.asarray(mask, dtype=np.float32) > 127).astype(np.float32)
-        return {
-            "image": torch.from_numpy(pixels.transpose(2, 0, 1).copy()),
-            "mask": torch.from_numpy(labels[None]),
-        }
+        return to_tensors(image, mask)
 
     def random_transform(
         self, rng: np.random.Generator, image: Image.Image, mask: Image.Image
     ) -> tuple[Image.Image, Image.Image]:
+        """Flip, rescale, pad, crop and blur; every random number comes from ``rng``."""
         crop = self.crop_size
         if rng.random() < 0.5:
             image, mask = ImageOps.mirror(image), ImageOps.mirror(mask)
-        long_side = int(rng.integers(int(self.base_size * 0.5), int(self.base_size * 2.0) + 1))
-        width, height = image.size
-        scale = long_side / max(width, height)
-        new_size = (max(1, round(width * scale)), max(1, round(height * scale)))
+        long_side = int(rng.integers(int(self.base_size * 0.5), int(self.base_size * 2.0), endpoint=True))
+        new_size = rescale_size(*image.size, long_side)
         image, mask = image.resize(new_size, Image.BILINEAR), mask.resize(new_size, Image.NEAREST)
         pad_w, pad_h = max(crop - new_size[0], 0), max(crop - new_size[1], 0)
         if pad_w or pad_h:
             image = ImageOps.expand(image, border=(0, 0, pad_w, pad_h), fill=0)
             mask = ImageOps.expand(mask, border=(0, 0, pad_w, pad_h), fill=0)
         width, height = image.size
-        left, top = int(rng.integers(0, width - crop + 1)), int(rng.integers(0, height - crop + 1))
-        box = (left, top, left + crop, top + crop)
-        image, mask = image.crop(box), mask.crop(box)
+        left = int(rng.integers(0, width - crop, endpoint=True))
+        top = int(rng.integers(0, height - crop, endpoint=True))
+        image, mask = image.crop((left, top, left + crop, top + crop)), mask.crop((left, top, left + crop, top + crop))
         if rng.random() < 0.5:
             image = image.filter(ImageFilter.GaussianBlur(radius=float(rng.random())))
         return image, mask

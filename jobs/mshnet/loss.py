@@ -1,7 +1,11 @@
 """The scale- and location-sensitive (SLS) IoU loss of MSHNet, vectorised over the batch.
 
-No Python loop over images and no host reads, so it traces to one static
-graph on XLA.
+Per image, with p = sigmoid(logits) and g the label: soft IoU = I / (P + G - I)
+weighted by the scale factor (min(P, G) + d) / (max(P, G) + d), d = ((P - G) / 2)^2,
+plus a location term comparing the polar coordinates of the predicted and true
+"centres". No Python loop over images and no host reads, so it traces to one
+static graph on XLA. It is computed in float32 whatever the autocast dtype of
+the logits: sums over a whole image in bfloat16 would lose most of their digits.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ def centres(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def location_loss(prob: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Batch mean of 1 - min/max of the centre distances plus the scaled squared angle difference."""
+    """Batch mean of 1 - min/max of the centres' distances to the origin plus the scaled squared angle difference."""
     px, py = centres(prob)
     tx, ty = centres(target)
     angle = (4 / math.pi**2) * (torch.atan(py / (px + EPS)) - torch.atan(ty / (tx + EPS))).square()
@@ -41,24 +45,26 @@ def location_loss(prob: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def sls_iou_loss(logits: torch.Tensor, target: torch.Tensor, warm: bool) -> torch.Tensor:
-    """SLS loss of one output. Before warm-up (``warm=False``): 1 - mean soft IoU."""
-    prob = torch.sigmoid(logits)
+    """SLS loss of one (N, 1, H, W) output. Before warm-up (``warm=False``): 1 - mean soft IoU."""
+    prob = torch.sigmoid(logits.float())
+    target = target.float()
     inter, pred_area, true_area = soft_counts(prob, target)
-    iou = inter / (pred_area + true_area - inter)
+    iou = inter / (pred_area + true_area - inter + EPS)
     if not warm:
         return 1 - iou.mean()
     spread = ((pred_area - true_area) / 2).square()
-    scale = (torch.minimum(pred_area, true_area) + spread) / (torch.maximum(pred_area, true_area) + spread)
+    scale = (torch.minimum(pred_area, true_area) + spread) / (torch.maximum(pred_area, true_area) + spread + EPS)
     return 1 - (scale * iou).mean() + location_loss(prob, target)
 
 
 def mshnet_loss(
     side_logits: list[torch.Tensor], logits: torch.Tensor, target: torch.Tensor, warm: bool
 ) -> torch.Tensor:
-    """Average of the SLS loss over the fused output and every side head.
+    """The training loss of one batch from the model's ``(masks, output)``.
 
-    Labels are max-pooled by 2 for each coarser head. In warm-up the model
-    returns no side heads, so this is the loss of the level-0 output alone.
+    Average of the SLS loss over the fused output and every side head, the
+    label max-pooled by 2 for each coarser head. In warm-up the model returns
+    no side heads, so this is 1 - mean soft IoU of the level-0 output alone.
     """
     total = sls_iou_loss(logits, target, warm)
     label = target

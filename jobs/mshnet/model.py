@@ -68,16 +68,23 @@ class AttentionResidualBlock(nn.Module):
 
 
 def stage(in_channels: int, out_channels: int, blocks: int) -> nn.Sequential:
+    """``blocks`` attention residual blocks; only the first changes the width."""
     layers = [AttentionResidualBlock(in_channels, out_channels)]
     layers += [AttentionResidualBlock(out_channels, out_channels) for _ in range(blocks - 1)]
     return nn.Sequential(*layers)
 
 
 def interpolation_matrix(size_in: int, size_out: int, like: torch.Tensor) -> torch.Tensor:
-    """(size_out, size_in) weights of 1-D linear interpolation with ``align_corners=True``."""
-    positions = torch.arange(size_out, device=like.device, dtype=like.dtype) * ((size_in - 1) / max(size_out - 1, 1))
-    sources = torch.arange(size_in, device=like.device, dtype=like.dtype)
-    return (1 - (positions[:, None] - sources[None, :]).abs()).clamp(min=0)
+    """(size_out, size_in) weights of 1-D linear interpolation with ``align_corners=True``.
+
+    Built in float32 and only then cast to ``like``'s dtype: in bfloat16 the
+    positions themselves (integers above 256) would already be off by a pixel.
+    """
+    scale = (size_in - 1) / max(size_out - 1, 1)
+    positions = torch.arange(size_out, device=like.device, dtype=torch.float32) * scale
+    sources = torch.arange(size_in, device=like.device, dtype=torch.float32)
+    weights = (1 - (positions[:, None] - sources[None, :]).abs()).clamp(min=0)
+    return weights.to(like.dtype)
 
 
 def upsample(x: torch.Tensor, factor: int) -> torch.Tensor:
@@ -102,8 +109,12 @@ class MSHNet(nn.Module):
     and ``side_logits`` is empty.
     """
 
-    def __init__(self, input_channels: int = 3, widths: Sequence[int] = (16, 32, 64, 128, 256), blocks: int = 2):
+    def __init__(
+        self, input_channels: int = 3, widths: Sequence[int] = (16, 32, 64, 128, 256), blocks: int = 2
+    ) -> None:
         super().__init__()
+        if len(widths) != 5:
+            raise ValueError(f"MSHNet needs 5 widths (encoder levels 0-3 and the middle), got {list(widths)}")
         w0, w1, w2, w3, w4 = widths
         self.conv_init = nn.Conv2d(input_channels, w0, 1)
         self.encoder_0 = stage(w0, w0, 1)

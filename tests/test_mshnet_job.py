@@ -1,0 +1,95 @@
+"""The MSHNet job through the Job interface the library calls: config, datasets, steps, pickling."""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import jobs.mshnet as mshnet
+from raytpu.config import load_config
+from raytpu.job import StepContext, load_job
+
+SMALL_WIDTHS = [8, 8, 16, 16, 32]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny convolutions: one thread is fastest, and immune to a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    job = mshnet.MSHNetConfig(base_size=32, crop_size=32, warm_epoch=2, widths=SMALL_WIDTHS, synth_n=10, synth_size=48)
+    config = SimpleNamespace(job=job, run=SimpleNamespace(seed=0))
+    config.root = tmp_path_factory.mktemp("mshnet")
+    mshnet.JOB.synthesize(config.root, **mshnet.JOB.synth_options(config))
+    return config
+
+
+def batch_of(cfg, split: str, size: int = 2) -> dict[str, torch.Tensor]:
+    dataset = mshnet.JOB.build_dataset(cfg, split, cfg.root)
+    items = [dataset[i] for i in range(size)]
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+def test_job_is_registered_and_picklable():
+    job = load_job("mshnet")
+    assert job is mshnet.JOB and isinstance(pickle.loads(pickle.dumps(job)), mshnet.MSHNetJob)
+    assert (job.main_metric, job.main_metric_mode, job.find_unused_parameters) == ("mIoU", "max", True)
+    assert job.config_class is mshnet.MSHNetConfig
+
+
+def test_seed_script_flags_set_the_config():
+    flags = ["--dataset-dir", "/d", "--batch-size", "8", "--epochs", "3", "--lr", "0.1", "--warm-epoch", "1"]
+    flags += ["--base-size", "64", "--crop-size", "48", "--weight-path", "w.pt"]
+    config, job = load_config("jobs/mshnet/irstd1k.yaml", flags)
+    assert job is mshnet.JOB and isinstance(config.job, mshnet.MSHNetConfig)
+    assert (config.data.path, config.data.global_batch_size, config.loop.epochs, config.optim.lr) == ("/d", 8, 3, 0.1)
+    assert (config.job.warm_epoch, config.job.base_size, config.job.crop_size) == (1, 64, 48)
+    assert config.checkpoint.weights == "w.pt"
+
+
+def test_model_and_datasets(cfg):
+    default = SimpleNamespace(job=mshnet.MSHNetConfig())
+    assert sum(p.numel() for p in mshnet.JOB.build_model(default).parameters()) == 4_065_513
+    with pytest.raises(ValueError, match="multiples of 16"):
+        mshnet.JOB.build_model(SimpleNamespace(job=mshnet.MSHNetConfig(crop_size=40)))
+    lengths = {split: len(mshnet.JOB.build_dataset(cfg, split, cfg.root)) for split in ("train", "valid", "test")}
+    assert lengths == {"train": 8, "valid": 2, "test": 2}
+    assert mshnet.JOB.build_dataset(cfg, "train", cfg.root).augment
+    assert not mshnet.JOB.build_dataset(cfg, "valid", cfg.root).augment
+    with pytest.raises(ValueError, match="unknown split"):
+        mshnet.JOB.build_dataset(cfg, "dev", cfg.root)
+
+
+def test_train_step_switches_phase_at_warm_epoch(cfg):
+    model = mshnet.JOB.build_model(cfg)
+    batch = batch_of(cfg, "train")
+    for epoch, warm in ((1, False), (2, True)):
+        model.zero_grad(set_to_none=True)
+        loss, extra = mshnet.JOB.train_step(model, batch, StepContext(epoch, 0, True, cfg))
+        loss.backward()
+        assert loss.shape == () and torch.isfinite(loss) and extra["loss"] is loss
+        assert (model.final.weight.grad is not None) == warm
+
+
+def test_eval_step_images_and_finish(cfg):
+    model = mshnet.JOB.build_model(cfg).eval()
+    batch = batch_of(cfg, "valid")
+    ctx = StepContext(0, 0, False, cfg)
+    with torch.no_grad():
+        stats = mshnet.JOB.eval_step(model, batch, ctx)
+        images = mshnet.JOB.eval_images(model, batch, ctx)
+    assert set(stats) == {"inter", "union", "niou_sum", "images", "pd_hits", "pd_targets", "fa_pixels", "pixels"}
+    assert float(stats["pixels"]) == 2 * 32 * 32 and float(stats["images"]) == 2
+    assert set(mshnet.JOB.finish_eval(stats)) == {"mIoU", "nIoU", "Pd", "Fa"}
+    assert set(images) == {"input", "label", "prediction"}
+    for image in images.values():
+        assert image.shape == (2, 1, 32, 32) and float(image.min()) >= 0 and float(image.max()) <= 1
