@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         from raytpu.launcher import RunFailed
 
         if isinstance(exc, RunFailed):
-            print(f"raytpu: error: training failed: {exc}", file=sys.stderr)
+            print(f"raytpu: error: run failed: {exc}", file=sys.stderr)
             return EXIT_FAILED
         raise
 

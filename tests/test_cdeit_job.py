@@ -37,7 +37,7 @@ def test_seed_flags_and_pickling() -> None:
     assert isinstance(cfg.job, CDEITConfig) and cfg.job.eval_set == "uef2017" and cfg.job.sampling_steps == 3
     assert cfg.data.global_batch_size == 8 and cfg.checkpoint.every_steps == 100
     assert type(pickle.loads(pickle.dumps(JOB))) is type(JOB)
-    full, _ = load_config(ROOT / "jobs/cdeit/cdeit.yaml", [])
+    full, _ = load_config(ROOT / "jobs/cdeit/paper.yaml", [])
     assert full.loop.ema_beta == 0.995 and full.loop.ema_every == 10 and full.optim.lr == 1e-5
 
 
