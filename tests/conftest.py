@@ -24,6 +24,17 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture
+def one_thread():
+    """Small convolutions: one torch thread is fast enough, and immune to a busy machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def run_python(args: list[str], env: dict[str, str] | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
     """Run ``python args`` from the repo root in a fresh process (XLA settings are per process)."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}

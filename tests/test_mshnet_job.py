@@ -15,13 +15,7 @@ from raytpu.job import StepContext, load_job
 SMALL_WIDTHS = [8, 8, 16, 16, 32]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny convolutions: one thread is fastest, and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,7 @@ import torch.nn.functional as F
 from jobs.mshnet.loss import mshnet_loss, sls_iou_loss
 from jobs.mshnet.model import MSHNet
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small convolutions: one thread is fast enough, and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reference_sls(logits: torch.Tensor, target: torch.Tensor, warm: bool) -> torch.Tensor:

@@ -8,14 +8,7 @@ import torch.nn.functional as F
 
 from jobs.mshnet.model import MSHNet, upsample
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small convolutions: one thread is fast enough, and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # name -> shape of a sample of the authors' state_dict entries (model/MSHNet.py of ying-fu/MSHNet)
