@@ -64,10 +64,11 @@ def bare_loop(cfg, job, data_root: Path, warmup: int, steps: int) -> float:
     return steps * cfg.data.global_batch_size / (time.perf_counter() - start)
 
 
-def raytpu_loop(cfg, job, data_root: Path, warmup: int, steps: int) -> float:
-    """The raytpu Trainer on the cpu runtime, timed over the same steps."""
+def raytpu_loop(cfg, job, data_root: Path, warmup: int, steps: int, runtime: str = "cpu") -> float:
+    """The raytpu Trainer on ``runtime`` (fp32), samples/s over the steps after ``warmup``."""
     run_dir = Path(tempfile.mkdtemp(prefix="bench-loop-"))
-    trainer = Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), run_dir, data_root, LocalReporter(run_dir))
+    rt = make_runtime(runtime, "fp32", 1, 0, 0, cfg.xla)
+    trainer = Trainer(cfg, job, rt, run_dir, data_root, LocalReporter(run_dir))
     marks: dict[int, float] = {}
     after_step = trainer._after_step
 

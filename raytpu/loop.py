@@ -186,6 +186,10 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, self.params)
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
         self.ema = EMA(self.runtime.unwrap(self.model), cfg.loop.ema_beta) if cfg.loop.ema_beta else None
+        self._ema_weights = {
+            due: torch.tensor(1.0 - cfg.loop.ema_beta if due else 0.0, device=self.runtime.device)
+            for due in (False, True)
+        }
         self.nonfinite = torch.zeros((), device=self.runtime.device)
         self._sample = dict(self.train_set[0])  # shapes for the XLA input sharding
 
@@ -282,13 +286,22 @@ class Trainer:
         grad_norm = rt.optimizer_step(self.optimizer, self.params, cfg.loop.clip_grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        if self.ema is not None and (p.step + 1) % cfg.loop.ema_every == 0:
-            self.ema.update(rt.unwrap(self.model))
+        if self.ema is not None:
+            self._update_ema((p.step + 1) % cfg.loop.ema_every == 0)
         loss_mean = loss_sum.float() / accum
         self.nonfinite = torch.maximum(self.nonfinite, (~torch.isfinite(loss_mean)).float())
         extras = {k: v.detach().float() for k, v in extra.items() if k != "loss"}
         self._stats = torch.stack([loss_mean, grad_norm.float(), self.nonfinite, *extras.values()])
         self._stat_names = ["loss", "grad_norm", "nonfinite", *extras]
+
+    def _update_ema(self, due: bool) -> None:
+        """EMA every ``loop.ema_every`` steps; on static-graph runtimes (XLA) every step
+        updates, with weight 0 when not due, so that one compiled step serves all."""
+        model = self.runtime.unwrap(self.model)
+        if self.runtime.static_graph:
+            self.ema.update(model, self._ema_weights[due])
+        elif due:
+            self.ema.update(model)
 
     def _after_step(self) -> None:
         p, cfg = self.progress, self.cfg

@@ -53,7 +53,8 @@ class EMA:
     """Exponential moving average of a model's weights.
 
     ``torch.optim.swa_utils.AveragedModel`` branches on a tensor in its update,
-    a host sync on XLA; this one is a fixed ``lerp`` so the graph stays static.
+    a host sync on XLA; this one is a plain ``lerp``. With a tensor ``weight``
+    (0 on steps that skip the update) every step runs the same graph on XLA.
     """
 
     def __init__(self, model: nn.Module, beta: float) -> None:
@@ -61,9 +62,14 @@ class EMA:
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
+    def update(self, model: nn.Module, weight: float | torch.Tensor | None = None) -> None:
+        weight = 1.0 - self.beta if weight is None else weight
         ema_params = list(self.model.parameters())
         params = [p.detach() for p in model.parameters()]
-        torch._foreach_lerp_(ema_params, params, 1.0 - self.beta)
+        if isinstance(weight, torch.Tensor):
+            for ema_param, param in zip(ema_params, params):
+                ema_param.lerp_(param, weight)
+        else:
+            torch._foreach_lerp_(ema_params, params, weight)
         for ema_buffer, buffer in zip(self.model.buffers(), model.buffers()):
             ema_buffer.copy_(buffer)

@@ -79,3 +79,27 @@ def test_interrupted_then_resumed_run_equals_uninterrupted(ray_session, tmp_path
     assert first.keys() == second.keys()
     for key in first:
         torch.testing.assert_close(second[key], first[key], rtol=0, atol=0)
+
+
+def test_cdeit_trains_on_two_workers_and_samples_in_test_mode(ray_session, tmp_path):
+    cfg, job = load_config(
+        "jobs/cdeit/small.yaml",
+        [
+            f"data.path={tmp_path / 'cdeit'}",
+            f"run.storage_path={tmp_path / 'results'}",
+            "run.name=cdeit",
+            "job.synth_n_train=32",
+            "job.synth_n_valid=8",
+            "job.synth_n_test=8",
+            "loop.epochs=2",
+            "data.global_batch_size=8",
+            "logging.progress_bar=false",
+        ],
+    )
+    job.synthesize(tmp_path / "cdeit", **job.synth_options(cfg))  # not ./data/cdeit of the checkout
+    summary = launcher.train(cfg, job)
+    assert Path(summary["best_checkpoint"], "ema.safetensors").is_file()
+    assert "valid/val_l1" in summary["metrics"]
+    cfg.checkpoint.weights = summary["best_checkpoint"]
+    metrics = launcher.test(cfg, job)
+    assert metrics["test/images"] == 8 and metrics["test/rmse"] > 0 and metrics["test/psnr"] > 0

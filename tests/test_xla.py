@@ -62,3 +62,32 @@ def test_recompile_guard_fails_a_strict_run(tmp_path):
     done = run_python(args, env={"PJRT_DEVICE": "CPU"})
     assert done.returncode != 0
     assert "recompiled the XLA graph" in done.stderr and "PT_XLA_DEBUG_LEVEL=2" in done.stderr
+
+
+def test_cdeit_spmd_training_step_compiles_once(tmp_path):
+    from jobs.cdeit.synth import synthesize as synthesize_eit
+
+    synthesize_eit(tmp_path / "cdeit", n_train=16, n_valid=4, n_test=4, size=32, seed=0)
+    args = [
+        "-m",
+        "tests.xla_probe",
+        "3",
+        "job.name=cdeit",
+        f"data.path={tmp_path / 'cdeit'}",
+        "job.image_size=32",
+        "job.hidden_size=64",
+        "data.global_batch_size=8",
+        "loop.max_steps=6",
+        "loop.log_every=1",
+        "xla.spmd=true",
+        "optim.name=adam",
+        "loop.clip_grad_norm=1.0",
+        "loop.ema_beta=0.995",
+        "loop.ema_every=4",
+    ]
+    done = run_python(args, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["devices"] == 4 and report["steps_checked"] == 3
+    assert report["compiles_after_warmup"] == 0, report
+    assert report["fallbacks_after_warmup"] == [], report

@@ -59,6 +59,8 @@ class Runtime:
     """One worker's device, precision and data-parallel plumbing."""
 
     name = "base"
+    #: steps are traced and compiled (XLA): every step should run the same graph
+    static_graph = False
 
     def __init__(self, precision: str, world_size: int, rank: int, local_rank: int) -> None:
         self.precision = precision

@@ -29,6 +29,7 @@ from raytpu.runtime import Runtime, clip_or_measure, tpu_present
 
 class XLARuntime(Runtime):
     name = "xla"
+    static_graph = True
 
     def __init__(self, precision: str, world_size: int, rank: int, local_rank: int, options: Any = None) -> None:
         super().__init__(precision, world_size, rank, local_rank)
