@@ -12,7 +12,6 @@ call ``.item()`` inside :meth:`Job.train_step`.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +135,3 @@ def known_jobs() -> list[str]:
     roots = [Path(p) for p in getattr(package, "__path__", [])]
     return sorted({p.name for root in roots for p in root.iterdir() if (p / "__init__.py").exists()})
 
-
-def job_config_fields(cls: type[JobConfig]) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from raytpu.config import Config, ConfigError, dump_yaml, from_dict, per_worker_batch, to_dict
+from raytpu.config import Config, ConfigError, dump_yaml, per_worker_batch, to_dict
 from raytpu.job import Job
 from raytpu.tpu import check_num_workers, slice_spec, workers_for_layout
 
@@ -222,6 +222,3 @@ def root_cause(exc: BaseException) -> str:
     controller = getattr(exc, "controller_failure", None)
     return str(controller or exc).strip().splitlines()[-1]
 
-
-def config_from_payload(payload: dict[str, Any]) -> tuple[Config, Job]:
-    return from_dict(payload["config"])
