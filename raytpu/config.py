@@ -335,6 +335,8 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key} must be at least 1, got {value}")
+    if cfg.data.loader == "ray":
+        raise ConfigError("data.loader=ray (Ray Data ingest) is not implemented yet; use data.loader=torch")
     if not 0.0 <= cfg.loop.ema_beta < 1.0:
         raise ConfigError(f"loop.ema_beta must be in [0, 1), got {cfg.loop.ema_beta}")
 
