@@ -371,6 +371,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, loader: DataLoader | None = None, prefix: str = "valid") -> dict[str, float]:
         model, rt = self.eval_model(), self.runtime
+        rt.broadcast_buffers(model)
         model.eval()
         ctx = StepContext(epoch=self.progress.epoch, step=self.progress.step, training=False, config=self.cfg)
         totals: dict[str, torch.Tensor] = {}

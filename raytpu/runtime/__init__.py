@@ -136,6 +136,17 @@ class Runtime:
                 reduced[key] = tensor.cpu()
         return reduced
 
+    @torch.no_grad()
+    def broadcast_buffers(self, model: nn.Module) -> None:
+        """Give every worker rank 0's buffers (BatchNorm statistics drift apart
+        between DDP forwards), so that all workers evaluate the same model."""
+        if self.world_size <= 1 or not dist.is_initialized():
+            return
+        for buffer in model.buffers():
+            shared = buffer.detach().to(self.collective_device)
+            dist.broadcast(shared, src=0)
+            buffer.copy_(shared.to(buffer.device))
+
     @property
     def collective_device(self) -> torch.device:
         return torch.device("cpu")
