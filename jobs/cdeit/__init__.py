@@ -135,17 +135,7 @@ class CDEITJob(Job):
             )
         return dataset
 
-    def synthesize(
-        self,
-        out: Path,
-        n_train: int = 64,
-        n_valid: int = 16,
-        n_test: int = 16,
-        size: int = 32,
-        seed: int = 0,
-        processes: int | None = None,
-    ) -> None:
-        synth.synthesize(out, n_train, n_valid, n_test, size, seed, processes)
+    synthesize = staticmethod(synth.synthesize)
 
     def synth_options(self, cfg: Any) -> dict[str, Any]:
         job = cfg.job
