@@ -134,4 +134,3 @@ def known_jobs() -> list[str]:
         return []
     roots = [Path(p) for p in getattr(package, "__path__", [])]
     return sorted({p.name for root in roots for p in root.iterdir() if (p / "__init__.py").exists()})
-

@@ -221,4 +221,3 @@ def root_cause(exc: BaseException) -> str:
         return f"worker {rank}: {text[-1] if text else type(cause).__name__}"
     controller = getattr(exc, "controller_failure", None)
     return str(controller or exc).strip().splitlines()[-1]
-
