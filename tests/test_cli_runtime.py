@@ -66,3 +66,14 @@ def test_precision_follows_the_device(runtime, asked, bf16_ok, expected, warns):
     precision, warning = resolve_precision(runtime, asked, bf16_ok)
     assert precision == expected
     assert (warning is not None) == warns
+
+
+def test_relative_weights_path_reaches_workers_absolute(tmp_path, monkeypatch):
+    from raytpu import launcher
+    from raytpu.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    cfg, job = load_config(SMALL, ["checkpoint.weights=ckpt"])
+    payload = launcher.make_payload(cfg, job, tmp_path, tmp_path, "test")
+    assert payload["config"]["checkpoint"]["weights"] == str(tmp_path / "ckpt")
