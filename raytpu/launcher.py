@@ -190,6 +190,8 @@ def test(cfg: Config, job: Job, address: str | None = None) -> dict[str, float]:
 def make_payload(cfg: Config, job: Job, directory: Path, data_root: Path, mode: str) -> dict[str, Any]:
     if cfg.checkpoint.weights and Path(cfg.checkpoint.weights).exists():
         cfg.checkpoint.weights = str(Path(cfg.checkpoint.weights).resolve())  # workers run in another directory
+    if cfg.xla.compile_cache not in ("", "none"):
+        cfg.xla.compile_cache = str(Path(cfg.xla.compile_cache).resolve())
     return {
         "config": to_dict(cfg),
         "run_dir": str(directory),
