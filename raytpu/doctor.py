@@ -362,7 +362,9 @@ def check_cluster(address: str | None, timeout: float = DEFAULT_TIMEOUT_S) -> di
     except ConnectionError as exc:
         return {"address": address, "reachable": False, "message": f"cannot connect to {address}: {exc}", "nodes": []}
     totals = cluster_totals(nodes)
-    runtime = "xla" if totals["TPU"] > 0 else "cuda" if totals["GPU"] > 0 else "cpu"
+    from raytpu.runtime import pick_runtime  # imports torch: kept out of module import, as in auto_choice
+
+    runtime = pick_runtime("auto", totals["TPU"] > 0, totals["GPU"] > 0)
     alive = sum(n["alive"] for n in nodes)
     message = f"{alive} alive node(s): {totals['CPU']:g} CPU, {totals['GPU']:g} GPU, {totals['TPU']:g} TPU chips"
     return {

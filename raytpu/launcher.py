@@ -16,6 +16,7 @@ from typing import Any
 
 from raytpu.config import Config, ConfigError, dump_yaml, per_worker_batch, to_dict
 from raytpu.job import Job
+from raytpu.runtime import pick_runtime
 from raytpu.tpu import check_num_workers, slice_spec, workers_for_layout
 
 os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
@@ -80,9 +81,7 @@ def cluster_runtime(requested: str) -> str:
     import ray
 
     resources = ray.cluster_resources()
-    if resources.get("TPU", 0) > 0:
-        return "xla"
-    return "cuda" if resources.get("GPU", 0) > 0 else "cpu"
+    return pick_runtime("auto", resources.get("TPU", 0) > 0, resources.get("GPU", 0) > 0)
 
 
 def build_trainer(cfg: Config, payload: dict[str, Any], name: str) -> Any:

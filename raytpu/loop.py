@@ -118,6 +118,7 @@ class Trainer:
         self._stop_reason: str | None = None
         self._last_log = (time.perf_counter(), 0)
         self.recompiles = 0
+        self.logger: RunLogger | None = None  # set by fit(); test mode has none
 
     # ------------------------------------------------------------ build
     def _seed(self) -> None:
@@ -379,14 +380,14 @@ class Trainer:
         for index, batch in enumerate(rt.device_loader(loader or self.valid_loader)):
             with rt.autocast():
                 stats = self.job.eval_step(model, batch, ctx)
-                if index == 0 and rt.is_main and self.cfg.logging.eval_images and hasattr(self, "logger"):
+                if index == 0 and rt.is_main and self.cfg.logging.eval_images and self.logger is not None:
                     images = self.job.eval_images(model, _first(batch, self.cfg.logging.eval_images), ctx)
             for key, value in stats.items():
                 totals[key] = totals[key] + value if key in totals else value
             rt.mark_step()
         metrics = self.job.finish_eval(rt.all_reduce_sum(totals))
         metrics = {f"{prefix}/{k}": float(v) for k, v in metrics.items()}
-        if hasattr(self, "logger"):
+        if self.logger is not None:
             self.logger.scalars(metrics, self.progress.step)
             self.logger.images({f"{prefix}/{k}": v for k, v in images.items()}, self.progress.step)
             self.logger.flush()
@@ -466,9 +467,8 @@ class Trainer:
 
     def _message(self, text: str) -> None:
         if self.runtime.is_main:
-            logger = getattr(self, "logger", None)
-            if logger is not None:
-                logger.message(text)
+            if self.logger is not None:
+                self.logger.message(text)
             else:
                 print(text, flush=True)
 
