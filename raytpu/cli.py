@@ -1,4 +1,4 @@
-"""``raytpu`` command line: train, test, data, doctor.
+"""``raytpu`` command line: train, test, tune, submit, data, doctor.
 
 Errors a user can fix are printed as one ``raytpu: error: ...`` line with a
 non-zero exit, never as a traceback.
@@ -42,6 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
     stats = data.add_parser("stats", help="compute normalisation statistics from the train split")
     stats.add_argument("job")
     stats.add_argument("--data-path", required=True, type=Path)
+    prepare = data.add_parser("prepare", help="convert a job's native files to parquet for data.loader=ray")
+    prepare.add_argument("job")
+    prepare.add_argument("--src", required=True, help="the job's native data folder")
+    prepare.add_argument("--out", required=True, help="output folder or filesystem URI")
+    prepare.add_argument("--rows-per-file", type=int, default=0, help="rows per parquet file (0 = the job's default)")
+
+    tune = sub.add_parser("tune", help="search hyper-parameters with Ray Tune (ASHA), each trial a TorchTrainer")
+    tune.add_argument("config", help="YAML config, e.g. jobs/mshnet/small.yaml")
+    tune.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides and the tune flags")
+
+    submit = sub.add_parser("submit", help="submit `raytpu train CONFIG` to a Ray cluster as a Ray job")
+    submit.add_argument("config", help="YAML config, e.g. jobs/mshnet/small.yaml")
+    submit.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides, --address URL, --no-wait")
 
     doctor = sub.add_parser("doctor", help="check versions, devices and the Ray cluster")
     doctor.add_argument("--json", action="store_true")
@@ -75,6 +88,14 @@ def dispatch(args: argparse.Namespace) -> int:
         return run(args)
     if args.command == "data":
         return data_command(args)
+    if args.command == "tune":
+        from raytpu import tune
+
+        return tune.main(args.config, list(args.overrides))
+    if args.command == "submit":
+        from raytpu import submit
+
+        return submit.main(args.config, list(args.overrides))
     if args.command == "doctor":
         from raytpu import doctor
 
@@ -133,6 +154,10 @@ def data_command(args: argparse.Namespace) -> int:
             raise ValueError(f"job {job.name!r} has no normalisation statistics to compute")
         print(json.dumps(stats(args.data_path)))
         return 0
+    if args.data_command == "prepare":
+        from raytpu import ingest
+
+        return ingest.prepare_command(job, args.src, args.out, args.rows_per_file)
     raise AssertionError(args.data_command)
 
 
