@@ -240,7 +240,8 @@ class Trainer:
                 if epoch_done:
                     p.epoch += 1
                 last = p.step >= self.total_steps
-                evaluate = last or (epoch_done and p.epoch % self.cfg.loop.eval_every_epochs == 0)
+                per_epoch = epoch_done and not self.cfg.checkpoint.every_steps
+                evaluate = last or (per_epoch and p.epoch % self.cfg.loop.eval_every_epochs == 0)
                 if evaluate:
                     metrics = self.evaluate()
                 if last or (epoch_done and not self.cfg.checkpoint.every_steps):
@@ -313,7 +314,7 @@ class Trainer:
         if self._stop_reason:
             raise NonFiniteLossError(self._stop_reason)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < self.total_steps:
-            self._checkpoint({})
+            self._checkpoint(self.evaluate())  # every checkpoint carries a score, for best-of and Tune
 
     def _guard_recompile(self, steps_into_epoch: int, compiles: int) -> None:
         """After warm-up a training step must reuse its compiled graph.
