@@ -84,7 +84,7 @@ def cluster_runtime(requested: str) -> str:
     return pick_runtime("auto", resources.get("TPU", 0) > 0, resources.get("GPU", 0) > 0)
 
 
-def build_trainer(cfg: Config, payload: dict[str, Any], name: str) -> Any:
+def build_trainer(cfg: Config, payload: dict[str, Any], name: str, callbacks: list[Any] | None = None) -> Any:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -104,6 +104,7 @@ def build_trainer(cfg: Config, payload: dict[str, Any], name: str) -> Any:
         storage_path=str(Path(cfg.run.storage_path).resolve()),
         checkpoint_config=checkpoints,
         failure_config=FailureConfig(max_failures=cfg.checkpoint.max_failures),
+        callbacks=callbacks or [],
     )
     return TorchTrainer(
         train_worker_entry,
