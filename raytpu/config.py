@@ -74,6 +74,8 @@ class DataConfig:
     num_workers: int = 0  # DataLoader processes per Ray worker
     loader: str = "torch"  # torch | ray
     shuffle: bool = True
+    prefetch_batches: int = 2  # data.loader=ray: batches each worker decodes ahead (in as many threads)
+    shuffle_buffer: int = 0  # data.loader=ray: local shuffle buffer rows per worker (0 = 8 x per-worker batch)
 
 
 @dataclass
@@ -121,6 +123,24 @@ class LoggingConfig:
 
 
 @dataclass
+class TuneConfig:
+    """``raytpu tune``: what to search and how (the CLI flags set the same keys)."""
+
+    search: dict[str, str] = field(default_factory=dict)  # key -> "loguniform(1e-4, 1e-1)"
+    num_samples: int = 4
+    metric: str = ""  # "" = valid/<the job's main metric>
+    mode: str = ""  # max | min; "" = the job's
+    scheduler: str = "asha"  # asha | fifo
+    max_t: int = 0  # ASHA horizon in reports (eval rounds); 0 = the reports a full trial makes
+    grace_period: int = 1
+    reduction_factor: float = 2.0
+    max_concurrent: int = 0  # 0 = as many as the cluster's resources fit
+    name: str = ""  # "" = <run.name>-tune; the same name resumes the sweep
+    lr_scaling: str = "none"  # none | linear | sqrt, relative to reference_batch_size
+    reference_batch_size: int = 0  # 0 = the config's data.global_batch_size
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -131,6 +151,7 @@ class Config:
     loop: LoopConfig = field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
 
 
 #: flags and short keys every job accepts: alias -> dotted key
@@ -320,6 +341,9 @@ def validate(cfg: Config) -> None:
         "data.loader": (cfg.data.loader, ("torch", "ray")),
         "optim.name": (cfg.optim.name, ("adagrad", "adam", "adamw", "sgd")),
         "optim.scheduler": (cfg.optim.scheduler, ("constant", "cosine", "linear", "poly")),
+        "tune.scheduler": (cfg.tune.scheduler, ("asha", "fifo")),
+        "tune.mode": (cfg.tune.mode, ("", "max", "min")),
+        "tune.lr_scaling": (cfg.tune.lr_scaling, ("none", "linear", "sqrt")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -331,12 +355,14 @@ def validate(cfg: Config) -> None:
         "loop.log_every": cfg.loop.log_every,
         "loop.ema_every": cfg.loop.ema_every,
         "checkpoint.num_to_keep": cfg.checkpoint.num_to_keep,
+        "tune.num_samples": cfg.tune.num_samples,
+        "tune.grace_period": cfg.tune.grace_period,
     }
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key} must be at least 1, got {value}")
-    if cfg.data.loader == "ray":
-        raise ConfigError("data.loader=ray (Ray Data ingest) is not implemented yet; use data.loader=torch")
+    if cfg.data.prefetch_batches < 0 or cfg.data.shuffle_buffer < 0:
+        raise ConfigError("data.prefetch_batches and data.shuffle_buffer must be at least 0")
     if not 0.0 <= cfg.loop.ema_beta < 1.0:
         raise ConfigError(f"loop.ema_beta must be in [0, 1), got {cfg.loop.ema_beta}")
 

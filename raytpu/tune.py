@@ -1,0 +1,468 @@
+"""``raytpu tune``: a Ray Tune search where every trial is a distributed ``TorchTrainer``.
+
+Ray 2.60 (Train V2) pattern: ``Tuner(driver)`` runs one small driver per
+trial; the driver builds the trial's config, applies the learning-rate scaling
+and calls ``TorchTrainer.fit()`` with Tune's ``TuneReportCallback``, so the
+loop keeps reporting through ``ray.train.report`` exactly as in training.
+Tune does not reserve the trials' workers, so the driver asks for almost no
+CPU and the number of concurrent trials is derived from what the cluster can fit.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ray.tune import Callback
+
+from raytpu.config import Config, ConfigError, dump_yaml, from_dict, load_config, per_worker_batch, set_dotted, to_dict
+from raytpu.job import Job
+
+#: domain name -> number of arguments (None = one or more)
+DOMAINS: dict[str, int | None] = {"choice": None, "grid": None, "uniform": 2, "loguniform": 2, "randint": 2}
+
+#: CPU the trial's driver asks for: it only waits on its TorchTrainer (Tune refuses 0)
+DRIVER_CPU = 0.01
+
+#: ``raytpu tune`` flags -> ``tune.*`` keys (they win over a job's seed-flag aliases of the same name)
+FLAGS = {
+    "--samples": "tune.num_samples",
+    "--metric": "tune.metric",
+    "--mode": "tune.mode",
+    "--scheduler": "tune.scheduler",
+    "--max-concurrent": "tune.max_concurrent",
+    "--name": "tune.name",
+    "--lr-scaling": "tune.lr_scaling",
+    "--max-t": "tune.max_t",
+    "--grace-period": "tune.grace_period",
+    "--reduction-factor": "tune.reduction_factor",
+}
+
+
+# ------------------------------------------------------------------ search
+@dataclass(frozen=True)
+class Search:
+    """One searched key: ``optim.lr=loguniform(1e-4, 1e-1)``."""
+
+    key: str
+    kind: str
+    args: tuple[Any, ...]
+
+    def domain(self) -> Any:
+        from ray import tune
+
+        if self.kind == "choice":
+            return tune.choice(list(self.args))
+        if self.kind == "grid":
+            return tune.grid_search(list(self.args))
+        if self.kind == "uniform":
+            return tune.uniform(*self.args)
+        if self.kind == "loguniform":
+            return tune.loguniform(*self.args)
+        return tune.randint(*self.args)
+
+    def candidates(self) -> list[Any]:
+        """Values to check against the config before any trial starts."""
+        if self.kind in ("choice", "grid"):
+            return list(self.args)
+        if self.kind == "randint":
+            return [self.args[0], self.args[1] - 1]
+        return [float(self.args[0]), float(self.args[1])]
+
+
+SEARCH_PATTERN = re.compile(r"^\s*([\w.]+)\s*=\s*(\w+)\s*\((.*)\)\s*$")
+
+
+def parse_search(text: str) -> Search:
+    """``"optim.lr=loguniform(1e-4,1e-1)"`` -> ``Search("optim.lr", "loguniform", (1e-4, 0.1))``."""
+    example = "e.g. --search 'optim.lr=loguniform(1e-4,1e-1)'"
+    match = SEARCH_PATTERN.match(text)
+    if not match:
+        raise ConfigError(f"search {text!r} is not key=domain(args); {example}")
+    key, kind, body = match.groups()
+    return make_search(key, kind, body, text)
+
+
+def make_search(key: str, kind: str, body: str, text: str) -> Search:
+    import yaml
+
+    if kind not in DOMAINS:
+        raise ConfigError(f"search {text!r}: unknown domain {kind!r}; use one of {', '.join(DOMAINS)}")
+    try:
+        args = yaml.safe_load(f"[{body}]")
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"search {text!r}: cannot read the arguments {body!r}") from exc
+    args = [float(a) if isinstance(a, str) and _is_number(a) else a for a in args]
+    arity = DOMAINS[kind]
+    if arity is None and not args:
+        raise ConfigError(f"search {text!r}: {kind}() needs at least one value")
+    if arity is not None:
+        if len(args) != arity or not all(_is_real(a) for a in args):
+            raise ConfigError(f"search {text!r}: {kind}() takes two numbers, lower and upper")
+        lower, upper = args
+        if not lower < upper:
+            raise ConfigError(f"search {text!r}: the lower bound must be below the upper bound")
+        if kind == "loguniform" and lower <= 0:
+            raise ConfigError(f"search {text!r}: loguniform() needs a positive lower bound")
+        if kind == "randint" and not all(isinstance(a, int) for a in args):
+            raise ConfigError(f"search {text!r}: randint() takes two integers (upper bound excluded)")
+    return Search(key, kind, tuple(args))
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def searches_of(cfg: Config) -> list[Search]:
+    """The config's ``tune.search`` mapping, parsed and checked against the config."""
+    if not cfg.tune.search:
+        raise ConfigError(
+            "nothing to search: pass --search 'optim.lr=loguniform(1e-4,1e-1)' (repeatable) or set tune.search"
+        )
+    searches = [parse_search(f"{key}={expr}") for key, expr in cfg.tune.search.items()]
+    for search in searches:
+        if search.key.startswith("tune.") or search.key in ("job.name", "run.name", "run.storage_path"):
+            raise ConfigError(f"search key {search.key!r} cannot be searched; search training settings")
+        for value in search.candidates():
+            probe = copy.deepcopy(cfg)
+            set_dotted(probe, search.key, value)
+            check_trial(probe)
+    return searches
+
+
+def check_trial(cfg: Config) -> None:
+    per_worker_batch(cfg.data.global_batch_size, cfg.scaling.num_workers, cfg.loop.grad_accum)
+
+
+# ------------------------------------------------------------------ trials
+def trial_config(base: dict[str, Any], values: dict[str, Any]) -> tuple[Config, Job]:
+    """The config one trial trains with: the base, the searched values, the lr scaling."""
+    cfg, job = from_dict(copy.deepcopy(base))
+    for key, value in values.items():
+        set_dotted(cfg, key, value)
+    cfg.optim.lr = scaled_lr(cfg.optim.lr, cfg.data.global_batch_size, cfg.tune, base["data"]["global_batch_size"])
+    return cfg, job
+
+
+def scaled_lr(lr: float, batch: int, tune_cfg: Any, config_batch: int) -> float:
+    """``tune.lr_scaling``: the lr is for ``reference_batch_size``; a trial with
+    another batch scales it linearly (Goyal et al.) or by the square root."""
+    reference = tune_cfg.reference_batch_size or config_batch
+    ratio = batch / reference
+    if tune_cfg.lr_scaling == "linear":
+        return lr * ratio
+    if tune_cfg.lr_scaling == "sqrt":
+        return lr * math.sqrt(ratio)
+    return lr
+
+
+def run_trial(values: dict[str, Any], base: dict[str, Any], data_root: str, runs_dir: str) -> None:
+    """The Tune trainable: build and fit the trial's ``TorchTrainer``."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from raytpu.launcher import build_trainer, make_payload, run_dir
+
+    cfg, job = trial_config(base, values)
+    cfg.run.name = tune.get_context().get_trial_id()
+    cfg.run.storage_path = runs_dir
+    directory = run_dir(cfg)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.yaml").write_text(dump_yaml(cfg))
+    payload = make_payload(cfg, job, directory, Path(data_root), "train")
+    build_trainer(cfg, payload, cfg.run.name, callbacks=[TuneReportCallback()]).fit()
+
+
+def reports_per_trial(cfg: Config) -> int:
+    """ASHA's horizon: the reports (eval rounds) a full trial makes, from the config alone."""
+    if cfg.tune.max_t:
+        return cfg.tune.max_t
+    if not cfg.checkpoint.every_steps and not cfg.loop.max_steps:
+        return cfg.loop.epochs
+    if cfg.checkpoint.every_steps and cfg.loop.max_steps:
+        return math.ceil(cfg.loop.max_steps / cfg.checkpoint.every_steps)
+    raise ConfigError("cannot tell how many reports a trial makes; set tune.max_t (reports per full trial)")
+
+
+def max_concurrent_trials(cfg: Config, cluster: dict[str, float]) -> int:
+    """Trials whose workers all fit in the cluster at once (at least one): Tune
+    does not reserve the workers of a trial, so more would wait on each other."""
+    from raytpu.launcher import scaling_kwargs
+
+    if cfg.tune.max_concurrent:
+        return cfg.tune.max_concurrent
+    scaling = scaling_kwargs(cfg)
+    per_worker = dict(scaling["resources_per_worker"])
+    if scaling["use_gpu"]:
+        per_worker.setdefault("GPU", 1.0)
+    need = {name: amount * scaling["num_workers"] for name, amount in per_worker.items() if amount > 0}
+    need["CPU"] = need.get("CPU", 0.0) + DRIVER_CPU
+    fits = [math.floor(cluster.get(name, 0.0) / amount) for name, amount in need.items()]
+    return max(1, min(fits, default=1))
+
+
+# ------------------------------------------------------------------ output
+def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class Sweep:
+    """What one ``raytpu tune`` run knows: the config, the searches, where things go."""
+
+    def __init__(self, cfg: Config, job: Job, searches: list[Search]) -> None:
+        self.cfg, self.job, self.searches = cfg, job, searches
+        self.metric = cfg.tune.metric or f"valid/{job.main_metric}"
+        self.mode = cfg.tune.mode or job.main_metric_mode
+        self.name = cfg.tune.name or f"{cfg.run.name}-tune"
+        self.dir = Path(cfg.run.storage_path).resolve() / self.name
+        self.max_t = reports_per_trial(cfg)
+        self.runtime = cfg.scaling.runtime  # as asked ("auto" stays portable in best.yaml)
+        self.data_root = cfg.data.path
+
+    @property
+    def columns(self) -> list[str]:
+        scaled = ["lr (scaled)"] if self.cfg.tune.lr_scaling != "none" else []
+        return ["trial", *(s.key for s in self.searches), *scaled, self.metric, "reports", "status"]
+
+    def row(self, trial_id: str, values: dict[str, Any], metrics: dict[str, Any] | None, status: str) -> dict:
+        metrics = metrics or {}
+        reports = metrics.get("training_iteration")
+        if status == "TERMINATED":
+            status = "done" if reports is not None and reports >= self.max_t else "stopped early"
+        row = {"trial": trial_id, **values, self.metric: metrics.get(self.metric), "reports": reports}
+        row["status"] = status.lower()
+        if self.cfg.tune.lr_scaling != "none":
+            cfg, _ = trial_config(to_dict(self.cfg), values)
+            row["lr (scaled)"] = cfg.optim.lr
+        return row
+
+
+class TableCallback(Callback):
+    """Prints the trials' table while the sweep runs: on every trial's end, and on
+    results at most every ``every_s`` seconds."""
+
+    def __init__(self, sweep: Sweep, every_s: float = 10.0) -> None:
+        self.sweep, self.every_s, self.last = sweep, every_s, 0.0
+
+    def _print(self, trials: list[Any], force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.every_s:
+            return
+        self.last = now
+        rows = [self.sweep.row(t.trial_id, dict(t.config), t.last_result, t.status) for t in trials]
+        print("\n" + format_table(rows, self.sweep.columns), flush=True)
+
+    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+        self._print(trials)
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._print(trials, force=True)
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._print(trials, force=True)
+
+
+# -------------------------------------------------------------------- run
+def run(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
+    """Run (or resume) the sweep; write the table, ``results.csv`` and ``best.yaml``."""
+    from ray import tune
+
+    from raytpu.launcher import cluster_runtime, connect, resolve_data_root
+
+    searches = searches_of(cfg)
+    sweep = Sweep(cfg, job, searches)
+    data_root = resolve_data_root(cfg, job)
+    sweep.data_root = str(data_root)
+    connect(address)
+    import ray
+
+    cfg.scaling.runtime = cluster_runtime(cfg.scaling.runtime)
+    concurrent = max_concurrent_trials(cfg, ray.cluster_resources())
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, base=to_dict(cfg), data_root=str(data_root), runs_dir=str(sweep.dir / "runs")),
+        {"CPU": DRIVER_CPU},
+    )
+    tuner = make_tuner(sweep, trainable, concurrent)
+    print(
+        f"raytpu: sweep {sweep.name}: {cfg.tune.num_samples} sample(s), up to {concurrent} at once, "
+        f"{cfg.tune.scheduler} on {sweep.metric} ({sweep.mode}); directory {sweep.dir}",
+        flush=True,
+    )
+    results = tuner.fit()
+    return finish(sweep, results)
+
+
+def make_tuner(sweep: Sweep, trainable: Any, concurrent: int) -> Any:
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    if tune.Tuner.can_restore(str(sweep.dir)):
+        print(f"raytpu: resuming sweep {sweep.dir} (finished trials are kept)", flush=True)
+        return tune.Tuner.restore(str(sweep.dir), trainable, resume_unfinished=True, resume_errored=True)
+    tc = sweep.cfg.tune
+    scheduler = (
+        ASHAScheduler(
+            time_attr="training_iteration",
+            max_t=sweep.max_t,
+            grace_period=tc.grace_period,
+            reduction_factor=tc.reduction_factor,
+        )
+        if tc.scheduler == "asha"
+        else FIFOScheduler()
+    )
+    return tune.Tuner(
+        trainable,
+        param_space={s.key: s.domain() for s in sweep.searches},
+        tune_config=tune.TuneConfig(
+            metric=sweep.metric,
+            mode=sweep.mode,
+            num_samples=tc.num_samples,
+            scheduler=scheduler,
+            max_concurrent_trials=concurrent,
+        ),
+        run_config=tune.RunConfig(
+            name=sweep.name,
+            storage_path=str(sweep.dir.parent),
+            callbacks=[TableCallback(sweep)],
+            verbose=0,
+        ),
+    )
+
+
+def finish(sweep: Sweep, results: Any) -> dict[str, Any]:
+    rows = []
+    for result in results:
+        status = "ERROR" if result.error else "TERMINATED"
+        rows.append(sweep.row(trial_id_of(result), dict(result.config), result.metrics, status))
+    print("\n" + format_table(rows, sweep.columns), flush=True)
+    csv_path = sweep.dir / "results.csv"
+    write_csv(csv_path, rows, sweep.columns)
+    summary: dict[str, Any] = {"sweep_dir": str(sweep.dir), "results_csv": str(csv_path), "best_config": None}
+    scored = [r for r in rows if r[sweep.metric] is not None]
+    write_hparams(sweep, rows)
+    if scored:
+        best = (max if sweep.mode == "max" else min)(scored, key=lambda r: r[sweep.metric])
+        values = {s.key: best[s.key] for s in sweep.searches}
+        best_path = write_best_config(sweep, values)
+        summary.update(best_config=str(best_path), best_trial=best["trial"], best_metric=best[sweep.metric])
+        print(f"best trial:   {best['trial']} {sweep.metric}={best[sweep.metric]:.4g} {values}")
+        print(f"best config:  {best_path}  (raytpu train {best_path})")
+    print(f"results:      {csv_path}")
+    print(f"tensorboard:  tensorboard --logdir {sweep.dir / 'runs'}  (HPARAMS tab compares the trials)", flush=True)
+    return summary
+
+
+def trial_id_of(result: Any) -> str:
+    return str((result.metrics or {}).get("trial_id") or Path(result.path).name)
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_best_config(sweep: Sweep, values: dict[str, Any]) -> Path:
+    """A YAML that ``raytpu train`` runs as the best trial ran (same values, seed and scaled lr)."""
+    cfg, _ = trial_config(to_dict(sweep.cfg), values)
+    cfg.run.name = f"{sweep.name}-best"
+    cfg.scaling.runtime = sweep.runtime
+    cfg.data.path = sweep.data_root
+    cfg.tune = type(cfg.tune)()
+    path = sweep.dir / "best.yaml"
+    header = f"# best trial of sweep {sweep.name} on {sweep.metric} ({sweep.mode}): {values}\n"
+    path.write_text(header + dump_yaml(cfg))
+    return path
+
+
+def write_hparams(sweep: Sweep, rows: list[dict[str, Any]]) -> None:
+    """Each trial's searched values into its own TensorBoard run, so that the HPARAMS
+    tab lines the trials up against the metric the run already logs as a scalar."""
+    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.summary import hparams
+
+    for row in rows:
+        log_dir = sweep.dir / "runs" / row["trial"] / "tensorboard"
+        if not log_dir.is_dir() or row[sweep.metric] is None:
+            continue
+        values = {s.key: row[s.key] for s in sweep.searches}
+        with SummaryWriter(log_dir=str(log_dir)) as writer:
+            for summary in hparams(values, {sweep.metric: row[sweep.metric]}):
+                writer.file_writer.add_summary(summary)
+
+
+# -------------------------------------------------------------------- CLI
+def split_flags(overrides: list[str]) -> tuple[list[str], list[str], str | None]:
+    """Pull the tune flags (and ``--address``) out of the overrides: (overrides, tune overrides, address)."""
+    rest: list[str] = []
+    tuned: list[str] = []
+    searches: dict[str, str] = {}
+    address = None
+    index = 0
+    while index < len(overrides):
+        item = overrides[index]
+        flag, sep, value = item.partition("=")
+        if flag in (*FLAGS, "--search", "--address"):
+            if not sep:
+                if index + 1 >= len(overrides):
+                    raise ConfigError(f"flag {flag} needs a value")
+                value = overrides[index + 1]
+                index += 1
+            if flag == "--search":
+                search = parse_search(value)
+                searches[search.key] = value.split("=", 1)[1].strip()
+            elif flag == "--address":
+                address = value
+            else:
+                tuned.append(f"{FLAGS[flag]}={value}")
+        else:
+            rest.append(item)
+        index += 1
+    if searches:
+        tuned.append("tune.search=" + json.dumps(searches))  # JSON is a YAML flow mapping
+    return rest, tuned, address
+
+
+def main(config_path: str, overrides: list[str]) -> int:
+    from raytpu.launcher import run_name
+
+    rest, tuned, address = split_flags(overrides)
+    cfg, job = load_config(config_path, rest + tuned)
+    cfg.run.name = run_name(cfg, config_path)
+    summary = run(cfg, job, address)
+    return 0 if summary.get("best_config") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2:]))
