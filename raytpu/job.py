@@ -13,6 +13,7 @@ call ``.item()`` inside :meth:`Job.train_step`.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -22,6 +23,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 Batch = dict[str, torch.Tensor]
+#: a chunk of records as columns: 1-D arrays, (n, *shape) arrays for fixed-shape tensors, or lists of bytes/str
+Columns = dict[str, Any]
+#: turns decoded columns of one batch (and the epoch, for augmentation) into the Dataset's stacked items
+BatchDecoder = Callable[[Columns, int], Batch]
 
 
 @dataclass
@@ -78,6 +83,35 @@ class Job:
     def synth_options(self, cfg: Any) -> dict[str, Any]:
         """Options for :meth:`synthesize` when the config asks to synthesize missing data."""
         return {}
+
+    # ------------------------------------------------- tables (the Ray Data path)
+    #: records per parquet file written by ``raytpu data prepare`` (``--rows-per-file 0``)
+    rows_per_file: ClassVar[int] = 256
+    #: files beside the native data (normalisation statistics) copied beside the tables
+    stats_files: ClassVar[tuple[str, ...]] = ()
+
+    def table_names(self, src: Path) -> list[str]:
+        """Tables ``raytpu data prepare`` can write from the native data under ``src``."""
+        raise NotImplementedError(f"job {self.name!r} cannot be prepared for data.loader=ray")
+
+    def table_for_split(self, cfg: Any, split: str) -> str:
+        """The prepared table that serves ``split`` (``train``, ``valid``, ``test``)."""
+        return split
+
+    def table_records(self, src: Path, table: str, rows: int) -> Iterator[Columns]:
+        """Chunks of at most ``rows`` records of ``table``, read from the native files.
+
+        Every chunk has an ``id`` column: the record's index in the job's map-style
+        Dataset of that table, so both ingest paths see the same sample under one
+        number (and draw the same augmentation for it).
+        """
+        raise NotImplementedError(f"job {self.name!r} cannot be prepared for data.loader=ray")
+
+    def batch_decoder(self, cfg: Any, split: str, stats_root: Path) -> BatchDecoder:
+        """A function ``(columns, epoch) -> batch`` giving the same tensors as stacking
+        ``build_dataset(cfg, split, ...)[id]`` after ``set_epoch(epoch)``; ``stats_root``
+        holds :attr:`stats_files`."""
+        raise NotImplementedError(f"job {self.name!r} cannot decode prepared tables")
 
     # ------------------------------------------------------------------ step
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:

@@ -26,6 +26,8 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
 def resolve_data_root(cfg: Config, job: Job, synthesize: bool | None = None) -> Path:
     """``data.path`` if it exists, else ``./data/<job>`` (with a warning), else
     synthesize it when the config allows, else one error naming both."""
+    if cfg.data.loader == "ray":
+        return prepared_root(cfg, job)
     fallback = Path("data") / job.name
     given = Path(cfg.data.path) if cfg.data.path else None
     if given is not None and given.exists():
@@ -112,7 +114,29 @@ def build_trainer(cfg: Config, payload: dict[str, Any], name: str, callbacks: li
         scaling_config=scaling,
         torch_config=TorchConfig(backend=backend),
         run_config=run_config,
+        **ray_datasets(cfg, payload),
     )
+
+
+def prepared_root(cfg: Config, job: Job) -> Path:
+    """data.loader=ray: ``data.path`` must hold tables made by ``raytpu data prepare`` (a local
+    folder or a filesystem URI, which the workers read as it is); never synthesized."""
+    from raytpu import ingest
+
+    return Path(ingest.prepared_location(cfg, job))
+
+
+def ray_datasets(cfg: Config, payload: dict[str, Any]) -> dict[str, Any]:
+    """``TorchTrainer`` arguments of the Ray Data path (none for data.loader=torch); the
+    workers learn the split names from ``payload["datasets"]``."""
+    if cfg.data.loader != "ray":
+        return {}
+    from raytpu import ingest
+    from raytpu.job import load_job
+
+    datasets = ingest.read_datasets(cfg, load_job(cfg.job.name), payload["mode"])
+    payload["datasets"] = sorted(datasets)
+    return {"datasets": datasets, "dataset_config": ingest.dataset_config()}
 
 
 def scaling_kwargs(cfg: Config) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,10 +109,20 @@ class Progress:
 
 class Trainer:
     def __init__(
-        self, cfg: Config, job: Job, runtime: Runtime, run_dir: Path, data_root: Path, reporter: Reporter
+        self,
+        cfg: Config,
+        job: Job,
+        runtime: Runtime,
+        run_dir: Path,
+        data_root: Path,
+        reporter: Reporter,
+        datasets: dict[str, Any] | None = None,
     ) -> None:
+        """``datasets``: split -> Ray ``DataIterator``, read when ``data.loader`` is ``ray``."""
         self.cfg, self.job, self.runtime = cfg, job, runtime
         self.run_dir, self.data_root, self.reporter = run_dir, data_root, reporter
+        self.datasets = datasets or {}
+        self.ray_data: Any = None  # raytpu.ingest.RayData when data.loader=ray
         self.progress = Progress()
         self.rank = runtime.rank
         self._stop_reason: str | None = None
@@ -127,7 +137,7 @@ class Trainer:
         np.random.seed(seed)
         self.runtime.seed(seed)
 
-    def _train_loader(self, dataset: Dataset) -> tuple[DataLoader, DistributedSampler]:
+    def _worker_batch(self) -> int:
         cfg, rt = self.cfg, self.runtime
         batch = per_worker_batch(cfg.data.global_batch_size, rt.data_parallel_size, cfg.loop.grad_accum)
         per_device = getattr(rt, "local_devices", 1)
@@ -136,6 +146,11 @@ class Trainer:
                 f"data.global_batch_size={cfg.data.global_batch_size} gives {batch} samples per worker, "
                 f"not divisible by its {per_device} XLA devices"
             )
+        return batch
+
+    def _train_loader(self, dataset: Dataset) -> tuple[DataLoader, DistributedSampler]:
+        cfg, rt = self.cfg, self.runtime
+        batch = self._worker_batch()
         sampler = ResumableSampler(
             dataset,
             num_replicas=rt.data_parallel_size,
@@ -153,12 +168,15 @@ class Trainer:
             pin_memory=rt.device.type == "cuda",
             generator=torch.Generator().manual_seed(cfg.run.seed),  # keeps the global RNG untouched (resume)
         )
-        if len(loader) < cfg.loop.grad_accum:
-            raise ValueError(
-                f"the train split has {len(dataset)} samples: too few for one step of "
-                f"{cfg.data.global_batch_size} (data.global_batch_size); add data or lower the batch"
-            )
+        self._check_batches(len(loader), len(dataset))
         return loader, sampler
+
+    def _check_batches(self, batches: int, samples: int) -> None:
+        if batches < self.cfg.loop.grad_accum:
+            raise ValueError(
+                f"the train split has {samples} samples: too few for one step of "
+                f"{self.cfg.data.global_batch_size} (data.global_batch_size); add data or lower the batch"
+            )
 
     def _eval_loader(self, dataset: Dataset) -> DataLoader:
         rt = self.runtime
@@ -170,14 +188,41 @@ class Trainer:
         batch = max(1, (self.cfg.data.eval_batch_size or self.cfg.data.global_batch_size) // rt.data_parallel_size)
         return DataLoader(shard, batch_size=batch, shuffle=False, num_workers=self.cfg.data.num_workers)
 
-    def _setup(self) -> None:
-        cfg = self.cfg
-        self._seed()
+    def _setup_data(self) -> int:
+        """Train and valid batches from the torch Datasets or the Ray Data shards; returns batches per epoch."""
+        cfg, rt = self.cfg, self.runtime
+        if cfg.data.loader == "ray":
+            from raytpu.ingest import RayData
+
+            self.ray_data = RayData(
+                cfg, self.job, self.datasets, rt.data_parallel_rank, rt.data_parallel_size, self._worker_batch()
+            )
+            self.valid_loader = self.ray_data.eval_loader("valid")
+            self._sample = self.ray_data.sample()  # shapes for the XLA input sharding
+            batches = self.ray_data.batches_per_epoch()
+            self._check_batches(batches, batches * self._worker_batch() * rt.data_parallel_size)
+            return batches
         self.train_set = self.job.build_dataset(cfg, "train", self.data_root)
         self.valid_set = self.job.build_dataset(cfg, "valid", self.data_root)
         self.train_loader, self.sampler = self._train_loader(self.train_set)
         self.valid_loader = self._eval_loader(self.valid_set)
-        self.steps_per_epoch = len(self.train_loader) // cfg.loop.grad_accum
+        self._sample = dict(self.train_set[0])  # shapes for the XLA input sharding
+        return len(self.train_loader)
+
+    def _epoch_batches(self, epoch: int, skip: int) -> Iterable:
+        """CPU batches of ``epoch`` for this worker, less the first ``skip`` (a mid-epoch resume)."""
+        if self.ray_data is not None:
+            return self.ray_data.train_epoch(epoch, skip)
+        self.sampler.set_epoch(epoch)
+        if hasattr(self.train_set, "set_epoch"):
+            self.train_set.set_epoch(epoch)
+        self.sampler.skip(skip * self.train_loader.batch_size)
+        return self.train_loader
+
+    def _setup(self) -> None:
+        cfg = self.cfg
+        self._seed()
+        self.steps_per_epoch = self._setup_data() // cfg.loop.grad_accum
         self.total_steps = cfg.loop.max_steps or cfg.loop.epochs * self.steps_per_epoch
         model = self.job.build_model(cfg)
         if cfg.checkpoint.weights:
@@ -192,7 +237,6 @@ class Trainer:
             for due in (False, True)
         }
         self.nonfinite = torch.zeros((), device=self.runtime.device)
-        self._sample = dict(self.train_set[0])  # shapes for the XLA input sharding
 
     # ----------------------------------------------------------- resume
     def _restore(self) -> bool:
@@ -254,12 +298,9 @@ class Trainer:
     def _train_epoch(self) -> bool:
         """Train until the end of the epoch (True) or of the run (False)."""
         p, cfg = self.progress, self.cfg
-        self.sampler.set_epoch(p.epoch)
-        if hasattr(self.train_set, "set_epoch"):
-            self.train_set.set_epoch(p.epoch)
         done_in_epoch = p.step - p.epoch * self.steps_per_epoch
-        self.sampler.skip(done_in_epoch * cfg.loop.grad_accum * self.train_loader.batch_size)
-        batches = self.runtime.device_loader(self.train_loader, self._sample)
+        source = self._epoch_batches(p.epoch, done_in_epoch * cfg.loop.grad_accum)
+        batches = self.runtime.device_loader(source, self._sample)
         self.model.train()
         self._last_log = (time.perf_counter(), p.step)
         for index in range(done_in_epoch, self.steps_per_epoch):
@@ -371,7 +412,7 @@ class Trainer:
         return self.ema.model if self.ema is not None else self.runtime.unwrap(self.model)
 
     @torch.no_grad()
-    def evaluate(self, loader: DataLoader | None = None, prefix: str = "valid") -> dict[str, float]:
+    def evaluate(self, loader: Iterable | None = None, prefix: str = "valid") -> dict[str, float]:
         model, rt = self.eval_model(), self.runtime
         rt.broadcast_buffers(model)
         model.eval()
@@ -463,6 +504,12 @@ class Trainer:
                 return {}
             custom = self.job.test(self.runtime.unwrap(self.model), cfg, self.run_dir, self.data_root)
             return {f"test/{k}": float(v) for k, v in custom.items()}
+        if cfg.data.loader == "ray":
+            from raytpu.ingest import RayData
+
+            rt = self.runtime
+            self.ray_data = RayData(cfg, self.job, self.datasets, rt.data_parallel_rank, rt.data_parallel_size, 1)
+            return self.evaluate(self.ray_data.eval_loader("test"), prefix="test")
         test_set = self.job.build_dataset(cfg, "test", self.data_root)
         return self.evaluate(self._eval_loader(test_set), prefix="test")
 
@@ -533,7 +580,8 @@ def train_worker_entry(payload: dict[str, Any]) -> None:
         cfg.xla,
     )
     reporter = RayReporter()
-    trainer = Trainer(cfg, job, runtime, run_dir, Path(payload["data_root"]), reporter)
+    datasets = {name: ray.train.get_dataset_shard(name) for name in payload.get("datasets", [])}
+    trainer = Trainer(cfg, job, runtime, run_dir, Path(payload["data_root"]), reporter, datasets)
     if payload["mode"] == "train":
         trainer.fit()
         return

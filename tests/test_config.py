@@ -38,7 +38,7 @@ def test_seed_script_flags_are_aliases(tmp_path):
         ("scaling.runtime=tpu", "scaling.runtime='tpu' is not one of auto, cpu, cuda, xla"),
         ("data.shuffle=maybe", "data.shuffle must be true or false"),
         ("nonsense", "is not key=value"),
-        ("data.loader=ray", "not implemented yet; use data.loader=torch"),
+        ("data.prefetch_batches=-1", "data.prefetch_batches and data.shuffle_buffer must be at least 0"),
     ],
 )
 def test_bad_overrides_name_the_fix(tmp_path, override, message):

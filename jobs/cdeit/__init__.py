@@ -10,6 +10,7 @@ sampler on ``simulated``, ``uef2017`` or ``ktc2023``, RMSE and PSNR.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from jobs.cdeit import synth
-from jobs.cdeit.data import EITDataset, eval_dataset, find_stats, resolve_data_root
+from jobs.cdeit.data import EVAL_SETS, EITDataset, eval_dataset, find_stats, normalise_voltages, resolve_data_root
 from jobs.cdeit.diffusion import Diffusion
 from jobs.cdeit.model import DiT, DiTConfig
-from raytpu.job import Batch, Job, JobConfig, StepContext
+from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
 
 DIFFUSION = Diffusion()
 
@@ -150,6 +151,50 @@ class CDEITJob(Job):
     def compute_stats(self, root: str | Path) -> dict[str, Any]:
         """``raytpu data stats cdeit``: rewrite mean.pth / std.pth from the train split."""
         return synth.compute_stats(root)
+
+    # ---------------------------------------------------- tables (data.loader=ray)
+    rows_per_file = 1024
+    stats_files = ("mean.pth", "std.pth")
+
+    def table_names(self, src: Path) -> list[str]:
+        """Every split folder of .npz samples: train, valid, test and the real eval sets present."""
+        folders = ["train", "valid"] + [folder for folder, _ in EVAL_SETS.values()]
+        return [name for name in folders if any((Path(src) / name).glob("*.npz"))]
+
+    def table_for_split(self, cfg: Any, split: str) -> str:
+        return EVAL_SETS[cfg.job.eval_set][0] if split == "test" else split
+
+    def table_records(self, src: Path, table: str, rows: int) -> Iterator[Columns]:
+        """The .npz arrays as float32 (as :class:`EITDataset` reads them), in file-name order."""
+        files = sorted((Path(src) / table).glob("*.npz"))
+        for start in range(0, len(files), rows):
+            chunk = files[start : start + rows]
+            samples = [dict(np.load(f)) for f in chunk]
+            keys = [k for k in ("xs", "ys", "xs_gn", "TR") if k in samples[0]]
+            columns: Columns = {"id": np.arange(start, start + len(chunk), dtype=np.int64)}
+            columns["name"] = [f.stem for f in chunk]
+            columns.update({k: np.stack([s[k] for s in samples]).astype(np.float32) for k in keys})
+            yield columns
+
+    def batch_decoder(self, cfg: Any, split: str, stats_root: Path) -> BatchDecoder:
+        """Arrays -> the :class:`EITDataset` items: x and TR as (n,1,S,S), the normalised EIM as (n,1,16,16)."""
+        mean, std = find_stats(stats_root)
+        scale = EVAL_SETS[cfg.job.eval_set][1] if split == "test" else 1.0
+
+        def decode(columns: Columns, epoch: int) -> Batch:
+            xs = np.asarray(columns["xs"], dtype=np.float32)
+            if xs.shape[-1] != cfg.job.image_size:
+                raise ValueError(
+                    f"the prepared {split} table holds {xs.shape[-1]}x{xs.shape[-1]} images but job.image_size "
+                    f"is {cfg.job.image_size}; set job.image_size to match the data"
+                )
+            return {
+                "x": torch.from_numpy(xs)[:, None],
+                "y": normalise_voltages(columns["ys"], mean, std, scale),
+                "tr": torch.from_numpy(np.asarray(columns["TR"], dtype=np.float32))[:, None],
+            }
+
+        return decode
 
     # ------------------------------------------------------------------ step
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:

@@ -45,8 +45,9 @@ def to_eim(voltages: torch.Tensor) -> torch.Tensor:
 
 
 def normalise_voltages(ys: np.ndarray, mean: torch.Tensor, std: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """(208, 1) raw voltages -> (1, 16, 16) normalised EIM."""
-    readings = torch.from_numpy(np.asarray(ys, dtype=np.float32).reshape(1, N_ELECTRODES, N_PER_DRIVE))
+    """(..., 208, 1) raw voltages -> (..., 1, 16, 16) normalised EIM (one sample or a batch)."""
+    ys = np.asarray(ys, dtype=np.float32)
+    readings = torch.from_numpy(ys.reshape(*ys.shape[:-2], 1, N_ELECTRODES, N_PER_DRIVE))
     return to_eim((readings / scale - mean) / std)
 
 

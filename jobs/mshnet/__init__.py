@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from jobs.mshnet import metrics
-from jobs.mshnet.data import IMAGENET_MEAN, IMAGENET_STD, IRSTDDataset
+from jobs.mshnet.data import IMAGENET_MEAN, IMAGENET_STD, LISTS, IRSTDDataset, IRSTDTransform, decode_pair, read_names
 from jobs.mshnet.loss import mshnet_loss
 from jobs.mshnet.model import MSHNet
 from jobs.mshnet.synth import synthesize
-from raytpu.job import Batch, Job, JobConfig, StepContext
+from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
 
 
 @dataclass
@@ -74,6 +76,40 @@ class MSHNetJob(Job):
 
     def synth_options(self, cfg: Any) -> dict[str, Any]:
         return {"n": cfg.job.synth_n, "size": cfg.job.synth_size, "seed": cfg.run.seed}
+
+    # ---------------------------------------------------- tables (data.loader=ray)
+    def table_names(self, src: Path) -> list[str]:
+        """``train`` (trainval.txt) and ``test`` (test.txt): the PNG files' bytes, unchanged."""
+        return [table for table, listing in LISTS.items() if (Path(src) / listing).is_file()]
+
+    def table_for_split(self, cfg: Any, split: str) -> str:
+        if split not in ("train", "valid", "test"):
+            raise ValueError(f"unknown split {split!r}; MSHNet has train, valid and test")
+        return "train" if split == "train" else "test"
+
+    def table_records(self, src: Path, table: str, rows: int) -> Iterator[Columns]:
+        names = read_names(Path(src), table)
+        for start in range(0, len(names), rows):
+            chunk = names[start : start + rows]
+            yield {
+                "id": np.arange(start, start + len(chunk), dtype=np.int64),
+                "name": chunk,
+                "image": [(Path(src) / "images" / f"{name}.png").read_bytes() for name in chunk],
+                "mask": [(Path(src) / "masks" / f"{name}.png").read_bytes() for name in chunk],
+            }
+
+    def batch_decoder(self, cfg: Any, split: str, stats_root: Path) -> BatchDecoder:
+        """PNG bytes -> the same augmented (train) or resized (valid/test) tensors as :class:`IRSTDDataset`."""
+        job, augment = cfg.job, self.table_for_split(cfg, split) == "train"
+
+        def decode(columns: Columns, epoch: int) -> Batch:
+            transform = IRSTDTransform(job.base_size, job.crop_size, cfg.run.seed, augment)  # per call: thread-safe
+            transform.set_epoch(epoch)
+            pairs = zip(columns["id"], columns["image"], columns["mask"])
+            items = [transform.item(*decode_pair(image, mask), int(index)) for index, image, mask in pairs]
+            return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+        return decode
 
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
         """SLS loss; a Python flag picks the phase, so on XLA the switch is one extra graph."""

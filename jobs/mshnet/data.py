@@ -9,6 +9,7 @@ the middle of an epoch. Evaluation resizes to base_size x base_size.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,12 @@ def to_tensors(image: Image.Image, mask: Image.Image) -> dict[str, torch.Tensor]
     }
 
 
+def decode_pair(image: bytes, mask: bytes) -> tuple[Image.Image, Image.Image]:
+    """PNG bytes (as ``raytpu data prepare`` stores them) -> the RGB image and L mask that
+    :meth:`IRSTDDataset.load` opens."""
+    return Image.open(io.BytesIO(image)).convert("RGB"), Image.open(io.BytesIO(mask)).convert("L")
+
+
 def rescale_size(width: int, height: int, long_side: int) -> tuple[int, int]:
     """(width, height) with the longer side set to ``long_side``, rounded half up as the authors do."""
     if height > width:
@@ -55,43 +62,21 @@ def rescale_size(width: int, height: int, long_side: int) -> tuple[int, int]:
     return long_side, max(1, int(height * long_side / width + 0.5))
 
 
-class IRSTDDataset(Dataset):
-    """Map-style IRSTD data set; ``split`` is ``"train"`` (trainval.txt) or ``"test"`` (test.txt).
+class IRSTDTransform:
+    """What turns one decoded (image, mask) pair into an item: the paper's train
+    augmentation or the eval resize. Shared by :class:`IRSTDDataset` and the
+    Ray Data path, which decodes the same PNG bytes from parquet."""
 
-    ``augment`` defaults to ``split == "train"``. Items have fixed shapes:
-    crop_size x crop_size when augmenting, base_size x base_size otherwise.
-    """
-
-    def __init__(
-        self,
-        root: Path,
-        split: str,
-        base_size: int,
-        crop_size: int,
-        seed: int = 0,
-        augment: bool | None = None,
-    ) -> None:
-        self.root = Path(root)
-        self.names = read_names(self.root, split)
+    def __init__(self, base_size: int, crop_size: int, seed: int = 0, augment: bool = False) -> None:
         self.base_size, self.crop_size = base_size, crop_size
-        self.augment = split == "train" if augment is None else augment
+        self.augment = augment
         self.seed = seed
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def load(self, index: int) -> tuple[Image.Image, Image.Image]:
-        name = self.names[index]
-        image = Image.open(self.root / "images" / f"{name}.png").convert("RGB")
-        mask = Image.open(self.root / "masks" / f"{name}.png").convert("L")
-        return image, mask
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        image, mask = self.load(index)
+    def item(self, image: Image.Image, mask: Image.Image, index: int) -> dict[str, torch.Tensor]:
         if self.augment:
             rng = np.random.default_rng((self.seed, self.epoch, index))
             image, mask = self.random_transform(rng, image, mask)
@@ -121,3 +106,36 @@ class IRSTDDataset(Dataset):
         if rng.random() < 0.5:
             image = image.filter(ImageFilter.GaussianBlur(radius=float(rng.random())))
         return image, mask
+
+
+class IRSTDDataset(IRSTDTransform, Dataset):
+    """Map-style IRSTD data set; ``split`` is ``"train"`` (trainval.txt) or ``"test"`` (test.txt).
+
+    ``augment`` defaults to ``split == "train"``. Items have fixed shapes:
+    crop_size x crop_size when augmenting, base_size x base_size otherwise.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        split: str,
+        base_size: int,
+        crop_size: int,
+        seed: int = 0,
+        augment: bool | None = None,
+    ) -> None:
+        super().__init__(base_size, crop_size, seed, split == "train" if augment is None else augment)
+        self.root = Path(root)
+        self.names = read_names(self.root, split)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def load(self, index: int) -> tuple[Image.Image, Image.Image]:
+        name = self.names[index]
+        image = Image.open(self.root / "images" / f"{name}.png").convert("RGB")
+        mask = Image.open(self.root / "masks" / f"{name}.png").convert("L")
+        return image, mask
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.item(*self.load(index), index)

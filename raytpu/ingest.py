@@ -1,0 +1,384 @@
+"""Ray Data ingest (``data.loader: ray``): parquet tables streamed to the workers.
+
+``raytpu data prepare JOB --src DIR --out DIR`` writes, under a local folder or
+any pyarrow filesystem URI (``gs://``, ``s3://``, ``file://``)::
+
+    <out>/<table>/part-00000.parquet ...   one table per split, `id` = the record's Dataset index
+    <out>/mean.pth, std.pth ...            the job's stats_files (normalisation statistics)
+    <out>/_raytpu_prepared.json            the manifest, written last: the only proof of completeness
+
+While it writes, ``<out>/_raytpu_partial`` marks the folder as raytpu's and
+unfinished; a folder without the manifest is never read.
+
+The driver reads the tables with ``ray.data.read_parquet`` and hands them to
+``TorchTrainer(datasets=..., dataset_config=...)``: the train set is split over
+the workers (``streaming_split(equal=True)``), eval sets are read whole by
+every worker, which keeps the rows ``id % workers == rank`` (the torch path's
+eval split, so metrics match it exactly). On a worker, :class:`RayData` gives
+one pass per epoch through ``iter_torch_batches`` (per-worker batch,
+``drop_last``, prefetch, seeded local shuffle); the job's ``batch_decoder``
+decodes and augments each batch in Ray Data's prefetch threads, with the epoch
+known, so augmentation equals the torch path's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from raytpu.config import Config, ConfigError
+from raytpu.job import Batch, BatchDecoder, Columns, Job
+
+MANIFEST = "_raytpu_prepared.json"
+PARTIAL = "_raytpu_partial"
+FORMAT = "raytpu-parquet/1"
+
+
+# ------------------------------------------------------------- filesystem
+def open_fs(location: str) -> tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem and the path inside it: URIs as given, local paths made absolute."""
+    if "://" in location:
+        return pafs.FileSystem.from_uri(location)
+    return pafs.LocalFileSystem(), Path(location).resolve().as_posix()
+
+
+def _exists(fs: pafs.FileSystem, path: str) -> bool:
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def _read_json(fs: pafs.FileSystem, path: str) -> dict[str, Any] | None:
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as stream:
+        return json.loads(stream.read().decode())
+
+
+def _write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    with fs.open_output_stream(path) as stream:
+        stream.write(data)
+
+
+# ---------------------------------------------------------------- prepare
+def prepare_command(job: Job, src: str, out: str, rows_per_file: int = 0) -> int:
+    """``raytpu data prepare``: convert, print a one-line summary, return the exit status."""
+    manifest = prepare(job, src, out, rows_per_file)
+    tables = ", ".join(f"{name} {info['rows']} rows" for name, info in manifest["tables"].items())
+    verb = "already prepared, unchanged" if manifest.get("unchanged") else "wrote"
+    print(f"{verb}: {job.name} parquet tables in {out} ({tables})", flush=True)
+    return 0
+
+
+def prepare(job: Job, src: str | Path, out: str, rows_per_file: int = 0) -> dict[str, Any]:
+    """Write ``job``'s native data under ``src`` as parquet tables in ``out``; returns the manifest.
+
+    Idempotent: a complete output made from the same source files (names, sizes,
+    mtimes) and options is left as it is (the manifest comes back with
+    ``unchanged: true``); anything else is rewritten from scratch.
+    """
+    src = Path(src)
+    if not src.is_dir():
+        raise FileNotFoundError(f"--src {str(src)!r} is not a folder of {job.name} data")
+    rows = rows_per_file or job.rows_per_file
+    if rows < 1:
+        raise ValueError(f"--rows-per-file must be at least 1, got {rows}")
+    fs, base = open_fs(out)
+    fingerprint = source_fingerprint(job, src, rows)
+    current = _read_json(fs, f"{base}/{MANIFEST}")
+    if current is not None and current.get("fingerprint") == fingerprint:
+        return {**current, "unchanged": True}
+    tables = job.table_names(src)
+    if not tables:
+        raise ValueError(f"{src} holds no {job.name} data to prepare; make some with `raytpu data synth {job.name}`")
+    _claim(fs, base, out)
+    manifest: dict[str, Any] = {"format": FORMAT, "job": job.name, "source": str(src.resolve())}
+    manifest.update(fingerprint=fingerprint, rows_per_file=rows, tables={}, stats=list(job.stats_files))
+    for table in tables:
+        manifest["tables"][table] = write_table(fs, base, table, job.table_records(src, table, rows))
+    for name in job.stats_files:
+        if not (src / name).is_file():
+            raise FileNotFoundError(f"{src / name} is missing; compute it with `raytpu data stats {job.name}`")
+        _write_bytes(fs, f"{base}/{name}", (src / name).read_bytes())
+    _write_bytes(fs, f"{base}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+    fs.delete_file(f"{base}/{PARTIAL}")
+    return manifest
+
+
+def source_fingerprint(job: Job, src: Path, rows: int) -> str:
+    """Hash of the format, job, options and every source file's name, size and mtime."""
+    digest = hashlib.sha256(f"{FORMAT}|{job.name}|{rows}\n".encode())
+    for path in sorted(p for p in src.rglob("*") if p.is_file()):
+        stat = path.stat()
+        digest.update(f"{path.relative_to(src).as_posix()}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def _claim(fs: pafs.FileSystem, base: str, out: str) -> None:
+    """Empty ``base`` for a fresh write: only a folder that is empty or raytpu's own
+    (a manifest or the partial marker) is touched; the manifest goes first."""
+    info = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+    names = {Path(entry.path).name for entry in info}
+    if names and not names & {MANIFEST, PARTIAL}:
+        raise ValueError(f"--out {out!r} is not empty and was not written by `raytpu data prepare`; pick a new folder")
+    if MANIFEST in names:
+        fs.delete_file(f"{base}/{MANIFEST}")
+    if names:
+        fs.delete_dir_contents(base)
+    fs.create_dir(base, recursive=True)
+    _write_bytes(fs, f"{base}/{PARTIAL}", b"raytpu data prepare is writing this folder\n")
+
+
+def write_table(fs: pafs.FileSystem, base: str, table: str, chunks: Iterable[Columns]) -> dict[str, Any]:
+    """One parquet file per chunk; returns the table's manifest entry."""
+    fs.create_dir(f"{base}/{table}", recursive=True)
+    files: list[str] = []
+    rows = 0
+    shapes: dict[str, list[int]] = {}
+    schema: dict[str, str] = {}
+    for index, columns in enumerate(chunks):
+        arrow, shapes = to_arrow(columns)
+        name = f"{table}/part-{index:05d}.parquet"
+        pq.write_table(arrow, f"{base}/{name}", filesystem=fs)
+        files.append(name)
+        rows += arrow.num_rows
+        schema = {field.name: str(field.type) for field in arrow.schema}
+    return {"rows": rows, "files": files, "shapes": shapes, "schema": schema}
+
+
+def to_arrow(columns: Columns) -> tuple[pa.Table, dict[str, list[int]]]:
+    """Columns -> an arrow table: (n, *shape) arrays become fixed-size lists of the
+    flattened values (the shapes come back separately), the rest plain arrow arrays."""
+    arrays: dict[str, pa.Array] = {}
+    shapes: dict[str, list[int]] = {}
+    for key, value in columns.items():
+        if isinstance(value, np.ndarray) and value.ndim > 1:
+            shapes[key] = list(value.shape[1:])
+            flat = np.ascontiguousarray(value).reshape(len(value), -1)
+            arrays[key] = pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1])
+        else:
+            arrays[key] = pa.array(value)
+    return pa.table(arrays), shapes
+
+
+def to_columns(table: pa.Table, shapes: dict[str, list[int]]) -> Columns:
+    """The inverse of :func:`to_arrow` for a batch: numpy arrays, lists of bytes/str."""
+    columns: Columns = {}
+    for name in table.column_names:
+        column = table.column(name).combine_chunks()
+        if name in shapes:
+            values = column.flatten().to_numpy(zero_copy_only=False, writable=True)
+            columns[name] = values.reshape(len(column), *shapes[name])
+        elif pa.types.is_binary(column.type) or pa.types.is_string(column.type):
+            columns[name] = column.to_pylist()
+        else:
+            columns[name] = column.to_numpy(zero_copy_only=False, writable=True)
+    return columns
+
+
+# ---------------------------------------------------------------- reading
+@dataclass
+class Prepared:
+    """A complete prepared folder: its filesystem, path and manifest."""
+
+    location: str
+    fs: pafs.FileSystem
+    base: str
+    manifest: dict[str, Any]
+
+    def table(self, name: str) -> dict[str, Any]:
+        tables = self.manifest["tables"]
+        if name not in tables:
+            raise ConfigError(
+                f"{self.location!r} has no prepared table {name!r} (it has {', '.join(tables)}); "
+                f"prepare it from a source that holds it"
+            )
+        return tables[name]
+
+    def paths(self, name: str) -> list[str]:
+        return [f"{self.base}/{file}" for file in self.table(name)["files"]]
+
+    def stats_root(self) -> Path:
+        """A local folder holding the stats files (downloaded once when remote)."""
+        if isinstance(self.fs, pafs.LocalFileSystem):
+            return Path(self.base)
+        folder = Path(tempfile.mkdtemp(prefix="raytpu-stats-"))
+        for name in self.manifest.get("stats", []):
+            with self.fs.open_input_stream(f"{self.base}/{name}") as stream, open(folder / name, "wb") as out:
+                shutil.copyfileobj(stream, out)
+        return folder
+
+
+def open_prepared(location: str, job: str) -> Prepared:
+    """The prepared folder at ``location``, or a one-line error that says how to make it."""
+    if not location:
+        raise ConfigError(f"data.loader=ray needs data.path: a folder made by `raytpu data prepare {job}`")
+    fs, base = open_fs(location)
+    manifest = _read_json(fs, f"{base}/{MANIFEST}")
+    if manifest is None:
+        state = "is only half-written" if _exists(fs, f"{base}/{PARTIAL}") else "holds no prepared parquet tables"
+        raise ConfigError(
+            f"data.loader=ray: data.path {location!r} {state}; run "
+            f"`raytpu data prepare {job} --src <the {job} data folder> --out {location}`"
+        )
+    if manifest.get("job") != job or manifest.get("format") != FORMAT:
+        raise ConfigError(
+            f"data.path {location!r} was prepared for job {manifest.get('job')!r} ({manifest.get('format')}), "
+            f"not {job!r} ({FORMAT}); prepare it again with `raytpu data prepare {job}`"
+        )
+    return Prepared(location, fs, base, manifest)
+
+
+def prepared_location(cfg: Config, job: Job) -> str:
+    """Check ``data.path`` in the driver and make a local one absolute (workers run elsewhere)."""
+    prepared = open_prepared(cfg.data.path, job.name)
+    if isinstance(prepared.fs, pafs.LocalFileSystem) and "://" not in cfg.data.path:
+        cfg.data.path = prepared.base
+    return cfg.data.path
+
+
+def read_datasets(cfg: Config, job: Job, mode: str) -> dict[str, Any]:
+    """The Ray Datasets of a run: ``train`` and ``valid``, or ``test``."""
+    import ray.data
+
+    prepared = open_prepared(cfg.data.path, job.name)
+    splits = ("train", "valid") if mode == "train" else ("test",)
+    datasets = {}
+    for split in splits:
+        shuffle = "files" if split == "train" and cfg.data.shuffle else None
+        paths = prepared.paths(job.table_for_split(cfg, split))
+        datasets[split] = ray.data.read_parquet(paths, filesystem=prepared.fs, shuffle=shuffle)
+    return datasets
+
+
+def dataset_config() -> Any:
+    """Only the train set is split over the workers; eval sets are read whole (see the module doc)."""
+    from ray.train import DataConfig
+
+    return DataConfig(datasets_to_split=["train"])
+
+
+# ----------------------------------------------------------------- worker
+class RayData:
+    """One worker's prepared splits: its train shard and the eval sets, decoded by the job.
+
+    ``iterators`` maps a split to its Ray ``DataIterator``
+    (``ray.train.get_dataset_shard(split)`` in a Ray Train worker, or
+    ``dataset.iterator()`` in a single process).
+    """
+
+    def __init__(self, cfg: Config, job: Job, iterators: dict[str, Any], rank: int, world: int, batch: int) -> None:
+        self.cfg, self.job, self.iterators = cfg, job, iterators
+        self.rank, self.world, self.batch = rank, world, batch
+        self.prepared = open_prepared(cfg.data.path, job.name)
+        self._stats_root: Path | None = None
+
+    def _decoder(self, split: str) -> tuple[BatchDecoder, dict[str, list[int]], int]:
+        if self._stats_root is None:
+            self._stats_root = self.prepared.stats_root()
+        info = self.prepared.table(self.job.table_for_split(self.cfg, split))
+        return self.job.batch_decoder(self.cfg, split, self._stats_root), info["shapes"], info["rows"]
+
+    def _iterator(self, split: str) -> Any:
+        if split not in self.iterators:
+            raise RuntimeError(f"data.loader=ray: the run has no Ray Dataset for split {split!r}")
+        return self.iterators[split]
+
+    # ------------------------------------------------------------ train
+    def batches_per_epoch(self) -> int:
+        """What ``streaming_split(equal=True)`` and ``drop_last`` leave each worker: the torch path's count."""
+        rows = self.prepared.table(self.job.table_for_split(self.cfg, "train"))["rows"]
+        return (rows // self.world) // self.batch
+
+    def sample(self) -> Batch:
+        """One decoded train item (its shapes size the XLA input sharding)."""
+        decode, shapes, _ = self._decoder("train")
+        path = self.prepared.paths(self.job.table_for_split(self.cfg, "train"))[0]
+        first = pq.read_table(path, filesystem=self.prepared.fs)
+        return {k: v[0] for k, v in decode(to_columns(first.slice(0, 1), shapes), 0).items()}
+
+    def train_epoch(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
+        """The epoch's batches of this worker, less the first ``skip`` (drawn, then dropped: a resume).
+
+        The Ray iterator is closed as soon as the epoch's last batch is taken, so
+        that the next epoch's pass can start on every worker."""
+        decode, shapes, _ = self._decoder("train")
+        cfg = self.cfg
+        buffer = (cfg.data.shuffle_buffer or 8 * self.batch) if cfg.data.shuffle else None
+        seed = int(np.random.SeedSequence((cfg.run.seed, epoch, self.rank)).generate_state(1)[0])
+        batches = iter(
+            self._iterator("train").iter_torch_batches(
+                batch_size=self.batch,
+                drop_last=True,
+                prefetch_batches=cfg.data.prefetch_batches,
+                local_shuffle_buffer_size=max(buffer, self.batch) if buffer else None,
+                local_shuffle_seed=seed if buffer else None,
+                collate_fn=collate(decode, shapes, epoch),
+                device="cpu",
+            )
+        )
+        expected = self.batches_per_epoch()
+        for index in range(expected):
+            batch = next(batches, None)
+            if batch is None:
+                raise RuntimeError(
+                    f"worker {self.rank}: the Ray Data train shard ended after {index} of {expected} batches"
+                )
+            if index == expected - 1:
+                batches.close()
+            if index >= skip:
+                yield batch
+
+    # ------------------------------------------------------------- eval
+    def eval_loader(self, split: str) -> EvalBatches:
+        decode, shapes, rows = self._decoder(split)
+        if rows < self.world:
+            raise ValueError(f"the {split} split has {rows} samples, fewer than the {self.world} workers")
+        batch = max(1, (self.cfg.data.eval_batch_size or self.cfg.data.global_batch_size) // self.world)
+        prefetch = self.cfg.data.prefetch_batches
+        return EvalBatches(self._iterator(split), decode, shapes, self.rank, self.world, batch, prefetch)
+
+
+@dataclass
+class EvalBatches:
+    """Re-iterable eval batches: this worker's rows (``id % world == rank``) in batches of ``batch``."""
+
+    iterator: Any
+    decode: BatchDecoder
+    shapes: dict[str, list[int]]
+    rank: int
+    world: int
+    batch: int
+    prefetch: int
+
+    def __iter__(self) -> Iterator[Batch]:
+        pending: pa.Table | None = None
+        for table in self.iterator.iter_batches(batch_format="pyarrow", prefetch_batches=self.prefetch):
+            ids = table.column("id").to_numpy()
+            mine = table.filter(pa.array(ids % self.world == self.rank))
+            pending = mine if pending is None else pa.concat_tables([pending, mine])
+            while pending.num_rows >= self.batch:
+                yield self.decode(to_columns(pending.slice(0, self.batch), self.shapes), 0)
+                pending = pending.slice(self.batch)
+        if pending is not None and pending.num_rows:
+            yield self.decode(to_columns(pending, self.shapes), 0)
+
+
+def collate(decode: BatchDecoder, shapes: dict[str, list[int]], epoch: int) -> Any:
+    """An ``ArrowBatchCollateFn`` that decodes a batch with the job's decoder at ``epoch``."""
+    from ray.data.collate_fn import ArrowBatchCollateFn
+
+    class Decode(ArrowBatchCollateFn):
+        def __call__(self, batch: pa.Table) -> Batch:
+            return decode(to_columns(batch, shapes), epoch)
+
+    return Decode()
