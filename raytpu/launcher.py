@@ -88,13 +88,12 @@ def cluster_runtime(requested: str) -> str:
 
 def build_trainer(cfg: Config, payload: dict[str, Any], name: str, callbacks: list[Any] | None = None) -> Any:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from raytpu.loop import train_worker_entry
+    from raytpu.xla_backend import torch_config
 
-    runtime = cfg.scaling.runtime
     scaling = ScalingConfig(**scaling_kwargs(cfg))
-    backend = "nccl" if runtime == "cuda" else "gloo"
     mode = payload["mode"]
     checkpoints = CheckpointConfig(
         num_to_keep=cfg.checkpoint.num_to_keep,
@@ -112,7 +111,7 @@ def build_trainer(cfg: Config, payload: dict[str, Any], name: str, callbacks: li
         train_worker_entry,
         train_loop_config=payload,
         scaling_config=scaling,
-        torch_config=TorchConfig(backend=backend),
+        torch_config=torch_config(cfg.scaling.runtime),
         run_config=run_config,
         **ray_datasets(cfg, payload),
     )

@@ -1,0 +1,122 @@
+"""Schedule raytpu's TPU requests on a fake TPU cluster and report where every worker ran.
+
+Run in its own process (it starts its own Ray cluster): ``python -m tests.fake_tpu_cluster OUT``.
+The cluster is a CPU head and two v4-16 slices (2 hosts x 4 chips each), each host a
+``ray.cluster_utils.Cluster`` node advertising what Ray advertises on a real TPU VM: resource
+``TPU`` (chips), ``accelerator_type:TPU-V4``, ``TPU-v4-16-head`` on host 0, the
+``ray.io/tpu-*`` labels, and the ``TPU_*`` variables Ray reads its slice name and worker id from.
+
+For both layouts the driver builds the trainer exactly as ``raytpu train`` does
+(``launcher.build_trainer``: ``ScalingConfig(**scaling_kwargs(cfg))`` and raytpu's torch
+config) and runs a tiny train function with the same scaling and backend: each worker writes
+its node, labels and Ray's TPU chip ids to ``OUT/<layout>/rank_<r>.json``. No XLA is run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+POD_TYPE, TOPOLOGY, ACCELERATOR, CHIPS_PER_HOST = "v4-16", "2x2x2", "TPU-V4", 4
+SLICES = ("slice-a", "slice-b")
+LAYOUT_WORKERS = {"spmd": 2, "multiprocess": 8}
+
+
+def tpu_host(slice_name: str, worker_id: int) -> dict[str, Any]:
+    """``Cluster.add_node`` arguments for one host of a v4-16 slice, as Ray sees a real TPU VM."""
+    resources = {"TPU": CHIPS_PER_HOST, f"accelerator_type:{ACCELERATOR}": 1}
+    if worker_id == 0:
+        resources[f"TPU-{POD_TYPE}-head"] = 1
+    return {
+        "num_cpus": CHIPS_PER_HOST,  # logical CPUs: one per worker of the per-chip layout
+        "resources": resources,
+        "labels": {
+            "ray.io/tpu-slice-name": slice_name,
+            "ray.io/tpu-worker-id": str(worker_id),
+            "ray.io/tpu-pod-type": POD_TYPE,
+            "ray.io/tpu-topology": TOPOLOGY,
+        },
+        "env_vars": {
+            "TPU_NAME": slice_name,
+            "TPU_WORKER_ID": str(worker_id),
+            "TPU_ACCELERATOR_TYPE": POD_TYPE,
+            "TPU_TOPOLOGY": TOPOLOGY,
+        },
+    }
+
+
+def where_am_i(config: dict[str, Any]) -> None:
+    """Train function: record this worker's placement (no torch_xla import, no device)."""
+    import ray
+    import ray.train
+
+    context = ray.train.get_context()
+    runtime = ray.get_runtime_context()
+    record = {
+        "rank": context.get_world_rank(),
+        "node_id": runtime.get_node_id(),
+        "labels": runtime.get_node_labels(),
+        "tpu_ids": runtime.get_accelerator_ids().get("TPU", []),
+        "tpu_visible_chips": os.environ.get("TPU_VISIBLE_CHIPS"),
+        "accelerate_device": os.environ.get("ACCELERATE_TORCH_DEVICE"),
+    }
+    out = Path(config["out"]) / f"rank_{record['rank']}.json"
+    out.write_text(json.dumps(record))
+
+
+def run_layout(layout: str, out: Path) -> None:
+    from ray.train import RunConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytpu.config import load_config
+    from raytpu.launcher import build_trainer
+
+    cfg, _ = load_config(
+        "jobs/mshnet/small.yaml",
+        [
+            "runtime=xla",
+            f"scaling.tpu.accelerator_type={ACCELERATOR}",
+            f"scaling.tpu.topology={TOPOLOGY}",
+            f"scaling.tpu.layout={layout}",
+            f"scaling.num_workers={LAYOUT_WORKERS[layout]}",
+            f"run.storage_path={out / 'results'}",
+        ],
+    )
+    raytpu_trainer = build_trainer(cfg, {"mode": "train", "main_metric_mode": "max"}, f"fake-tpu-{layout}")
+    records = out / layout
+    records.mkdir(parents=True)
+    probe = TorchTrainer(
+        where_am_i,
+        train_loop_config={"out": str(records)},
+        scaling_config=raytpu_trainer.scaling_config,
+        torch_config=raytpu_trainer.backend_config,
+        run_config=RunConfig(name=f"fake-tpu-{layout}", storage_path=str(out / "results")),
+    )
+    probe.fit()
+
+
+def main(out: Path) -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        for slice_name in SLICES:
+            for worker_id in range(2):
+                cluster.add_node(**tpu_host(slice_name, worker_id))
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        nodes = {n["NodeID"]: n.get("Labels", {}) for n in ray.nodes() if n["Alive"]}
+        (out / "nodes.json").write_text(json.dumps(nodes))
+        for layout in LAYOUT_WORKERS:
+            run_layout(layout, out)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,79 @@
+"""raytpu's TPU requests on a fake TPU cluster (tests/fake_tpu_cluster.py, its own Ray cluster
+in a subprocess): spmd puts one worker on every host of one slice, multiprocess one worker on
+every chip of one slice."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_python
+
+pytestmark = pytest.mark.integration
+
+CHIPS_PER_HOST = 4
+HOSTS_PER_SLICE = 2
+
+
+@pytest.fixture(scope="module")
+def placements(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("fake-tpu")
+    done = run_python(["-m", "tests.fake_tpu_cluster", str(out)], env={"RAY_ADDRESS": ""}, timeout=400)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    layouts = {}
+    for layout in ("spmd", "multiprocess"):
+        records = [json.loads(p.read_text()) for p in sorted((out / layout).glob("rank_*.json"))]
+        layouts[layout] = sorted(records, key=lambda r: r["rank"])
+    return {"nodes": json.loads((out / "nodes.json").read_text()), **layouts}
+
+
+def by_host(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    hosts = defaultdict(list)
+    for record in records:
+        hosts[record["node_id"]].append(record)
+    return hosts
+
+
+def test_fake_cluster_advertises_two_v4_16_slices(placements: dict[str, Any]) -> None:
+    tpu_nodes = [labels for labels in placements["nodes"].values() if "ray.io/tpu-slice-name" in labels]
+    assert len(tpu_nodes) == 4
+    assert {(n["ray.io/tpu-slice-name"], n["ray.io/tpu-worker-id"]) for n in tpu_nodes} == {
+        ("slice-a", "0"),
+        ("slice-a", "1"),
+        ("slice-b", "0"),
+        ("slice-b", "1"),
+    }
+
+
+@pytest.mark.parametrize(("layout", "per_host"), [("spmd", 1), ("multiprocess", CHIPS_PER_HOST)])
+def test_one_slice_every_host(placements: dict[str, Any], layout: str, per_host: int) -> None:
+    records = placements[layout]
+    assert [r["rank"] for r in records] == list(range(HOSTS_PER_SLICE * per_host))
+    assert len({r["labels"]["ray.io/tpu-slice-name"] for r in records}) == 1, "the workers span two slices"
+    hosts = by_host(records)
+    assert len(hosts) == HOSTS_PER_SLICE
+    assert {r[0]["labels"]["ray.io/tpu-worker-id"] for r in hosts.values()} == {"0", "1"}
+    assert all(len(workers) == per_host for workers in hosts.values())
+
+
+def test_spmd_worker_holds_every_chip_of_its_host(placements: dict[str, Any]) -> None:
+    for record in placements["spmd"]:
+        assert sorted(record["tpu_ids"]) == ["0", "1", "2", "3"]
+        assert record["tpu_visible_chips"] == "0,1,2,3"
+
+
+def test_multiprocess_worker_holds_one_chip(placements: dict[str, Any]) -> None:
+    for workers in by_host(placements["multiprocess"]).values():
+        chips = sorted(chip for r in workers for chip in r["tpu_ids"])
+        assert chips == ["0", "1", "2", "3"]
+        assert all(r["tpu_visible_chips"] == r["tpu_ids"][0] for r in workers)
+
+
+@pytest.mark.parametrize("layout", ["spmd", "multiprocess"])
+def test_no_torch_tpu_device_on_xla_workers(placements: dict[str, Any], layout: str) -> None:
+    """Ray's TPU device manager (torch_tpu) stays out of the way: the workers started, and
+    no 'cpu' device is advertised to Hugging Face Accelerate."""
+    assert all(r["accelerate_device"] is None for r in placements[layout])
