@@ -19,7 +19,7 @@ def ray_session():
     from raytpu.launcher import connect
 
     os.environ.pop("RAY_ADDRESS", None)
-    connect(None)
+    connect("local")  # a fresh instance even when another Ray runs on this machine
     yield ray
     ray.shutdown()
 
