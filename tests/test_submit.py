@@ -1,0 +1,309 @@
+"""raytpu submit: the pure pieces (entrypoint, runtime_env, address, token, follow-up), and one
+integration test against a real local head (`ray start --head` on loopback with its own ports,
+temp dir and token) that runs MSHNet small through `raytpu submit` and plain `ray job submit`."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from raytpu.config import load_config
+from raytpu.submit import (
+    EXCLUDES,
+    SubmitError,
+    auth_headers,
+    cluster_warnings,
+    dashboard_url,
+    entrypoint,
+    follow_up,
+    runtime_env,
+    split_args,
+    submission_id,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+# ------------------------------------------------------------------ pure pieces
+def test_split_args_takes_the_flags_out() -> None:
+    assert split_args(["optim.lr=0.1", "--address", "http://h:8265", "--no-wait", "--epochs", "2"]) == (
+        "http://h:8265",
+        False,
+        ["optim.lr=0.1", "--epochs", "2"],
+    )
+    assert split_args(["--address=h:8265"]) == ("h:8265", True, [])
+
+
+def test_entrypoint_is_raytpu_train_with_quoted_overrides() -> None:
+    assert entrypoint("jobs/mshnet/small.yaml", ["optim.lr=0.1", "run.name=a b"]) == (
+        "raytpu train jobs/mshnet/small.yaml optim.lr=0.1 'run.name=a b'"
+    )
+
+
+def test_runtime_env_uploads_the_project_without_data_and_outputs() -> None:
+    env = runtime_env(Path("/p"))
+    assert env["working_dir"] == "/p"
+    for pattern in ("/data", "/results", "/.venv", "/.git", "__pycache__"):
+        assert pattern in env["excludes"]
+    env["excludes"].append("x")
+    assert "x" not in EXCLUDES
+
+
+def test_excludes_leave_jobs_and_configs_in(tmp_path: Path) -> None:
+    """Ray applies the excludes as gitignore patterns: check them with its own matcher."""
+    from ray._private.runtime_env.packaging import _get_excludes
+
+    for name in ("data/mshnet/a.png", "results/run/x.pt", ".venv/bin/python", "jobs/mshnet/small.yaml", "raytpu/a.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    excluded = _get_excludes(tmp_path, EXCLUDES)
+    for name in ("data", "data/mshnet/a.png", "results", "results/run/x.pt", ".venv"):
+        assert excluded(tmp_path / name), name
+    assert not excluded(tmp_path / "jobs") and not excluded(tmp_path / "jobs/mshnet/small.yaml")
+    assert not excluded(tmp_path / "raytpu/a.py")
+
+
+def test_dashboard_url() -> None:
+    assert dashboard_url("http://h:8265", {}) == "http://h:8265"
+    assert dashboard_url(None, {"RAY_ADDRESS": "10.0.0.2:8265"}) == "http://10.0.0.2:8265"
+    with pytest.raises(SubmitError, match="needs the cluster's dashboard address"):
+        dashboard_url(None, {})
+    with pytest.raises(SubmitError, match="submitted to the dashboard"):
+        dashboard_url("ray://h:10001", {})
+
+
+def test_auth_headers_sources_in_order(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("from-home\n")
+    other = tmp_path / "token"
+    other.write_text("from-path")
+    bearer = {"Authorization": "Bearer from-env"}
+    assert auth_headers({"RAY_AUTH_TOKEN": "from-env", "RAY_AUTH_TOKEN_PATH": str(other)}, home) == bearer
+    assert auth_headers({"RAY_AUTH_TOKEN_PATH": str(other)}, home) == {"Authorization": "Bearer from-path"}
+    assert auth_headers({}, home) == {"Authorization": "Bearer from-home"}
+    assert auth_headers({}, tmp_path / "nobody") == {}
+    assert auth_headers({"RAY_AUTH_TOKEN": "t", "RAY_AUTH_MODE": "disabled"}, home) == {}
+
+
+def test_submission_id_is_readable_and_safe() -> None:
+    now = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+    assert submission_id("mshnet-small", now) == "raytpu-mshnet-small-20260102-030405"
+    assert submission_id("a b/c", now) == "raytpu-a-b-c-20260102-030405"
+
+
+def test_follow_up_names_logs_and_tensorboard() -> None:
+    cfg, _ = load_config("jobs/mshnet/small.yaml", ["run.storage_path=gs://b/runs"])
+    lines = follow_up("http://h:8265", "raytpu-x", cfg)
+    assert "ray job logs --address http://h:8265 --follow raytpu-x" in lines[1]
+    assert "tensorboard --logdir gs://b/runs/mshnet-small/tensorboard" in lines[4]
+
+
+def test_cluster_warnings_for_relative_paths() -> None:
+    cfg, _ = load_config("jobs/mshnet/small.yaml", [])
+    notes = cluster_warnings(cfg)
+    assert len(notes) == 2 and "run.storage_path './results' is relative" in notes[0]
+    assert "synthesizes it" in notes[1]
+    cfg, _ = load_config("jobs/mshnet/small.yaml", ["run.storage_path=/shared/runs", "data.path=s3://b/d"])
+    assert cluster_warnings(cfg) == []
+
+
+def raytpu(*args: str, env: dict[str, str] | None = None, timeout: int = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(VENV_BIN / "raytpu"), *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_bad_input_is_one_line_before_anything_is_uploaded() -> None:
+    unreachable = raytpu("submit", "jobs/mshnet/small.yaml", "--address", "http://127.0.0.1:9")
+    assert unreachable.returncode == 2
+    assert (
+        unreachable.stderr.strip()
+        .splitlines()[-1]
+        .startswith("raytpu: error: cannot reach the Ray dashboard at http://127.0.0.1:9")
+    )
+    bad_key = raytpu("submit", "jobs/mshnet/small.yaml", "optim.lrr=1", "--address", "http://127.0.0.1:9")
+    assert bad_key.returncode == 2
+    assert (
+        bad_key.stderr.strip()
+        == "raytpu: error: unknown config key 'optim.lrr'; did you mean optim.lr, optim, optim.scheduler?"
+    )
+
+
+# ------------------------------------------------------------------ a real head
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ours(marker: str) -> list[int]:
+    """Processes whose command line names our temp dir: the head and its workers, nobody else's."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """`ray start --head --block` on loopback with free ports, its own temp dir and a token; stopped by
+    signalling its process group (never `ray stop`, which would stop every Ray on this machine)."""
+    temp_dir = tempfile.mkdtemp(prefix="rtsub-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    token = secrets.token_hex(16)
+    dashboard = free_port()
+    env = {
+        **os.environ,
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": token,
+        "PYTHONPATH": str(ROOT),
+    }
+    env.pop("RAY_ADDRESS", None)
+    ports = {
+        "--port": free_port(),
+        "--dashboard-port": dashboard,
+        "--ray-client-server-port": free_port(),
+        "--dashboard-agent-listen-port": free_port(),
+        "--dashboard-agent-grpc-port": free_port(),
+        "--metrics-export-port": free_port(),
+        "--runtime-env-agent-port": free_port(),
+    }
+    command = [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1"]
+    command += [f"{flag}={port}" for flag, port in ports.items()]
+    command += ["--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=2", f"--temp-dir={temp_dir}"]
+    command += ["--disable-usage-stats"]
+    log = Path(temp_dir) / "ray-start.log"
+    with log.open("w") as out:
+        head = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        address = f"http://127.0.0.1:{dashboard}"
+        wait_for_dashboard(address, token, head, log)
+        yield {"address": address, "token": token}
+    finally:
+        stop_head(head, temp_dir)
+
+
+def wait_for_dashboard(address: str, token: str, head: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    from ray.job_submission import JobSubmissionClient
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert head.poll() is None, log.read_text()[-3000:]
+        try:
+            JobSubmissionClient(address, headers={"Authorization": f"Bearer {token}"}).list_jobs()
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def stop_head(head: subprocess.Popen, temp_dir: str) -> None:
+    if head.poll() is None:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while ours(temp_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in ours(temp_dir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def tiny(tmp: Path, data: Path, name: str) -> list[str]:
+    return [
+        "loop.epochs=1",
+        "job.base_size=32",
+        "job.crop_size=32",
+        "data.global_batch_size=4",
+        "scaling.num_workers=1",
+        "logging.progress_bar=false",
+        f"data.path={data}",
+        f"run.storage_path={tmp}",
+        f"run.name={name}",
+    ]
+
+
+def checkpoints(run: Path) -> list[Path]:
+    return sorted(p for p in run.glob("checkpoint_*") if (p / "meta.json").exists())
+
+
+@pytest.mark.integration
+def test_submit_mshnet_small_to_a_real_head(ray_head: dict, tmp_path: Path) -> None:
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from jobs.mshnet.synth import synthesize
+
+    data = tmp_path / "data"
+    synthesize(data, n=24, size=32)
+    auth = {"RAY_AUTH_TOKEN": ray_head["token"]}
+    # plain Ray: the client sends the token only with RAY_AUTH_MODE=token
+    plain = subprocess.run(
+        [str(VENV_BIN / "ray"), "job", "submit", "--address", ray_head["address"], "--no-wait"]
+        + ["--working-dir", ".", "--submission-id", "plain-ray-job", "--"]
+        + ["raytpu", "train", "jobs/mshnet/small.yaml", *tiny(tmp_path, data, "via-ray")],
+        cwd=ROOT,
+        env={**os.environ, **auth, "RAY_AUTH_MODE": "token"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-2000:]
+
+    unauthenticated = raytpu(
+        "submit", "jobs/mshnet/small.yaml", "--address", ray_head["address"], env={"HOME": str(tmp_path)}
+    )
+    assert unauthenticated.returncode == 2, unauthenticated.stderr[-3000:]
+    assert "token authentication is on" in unauthenticated.stderr.strip().splitlines()[-1]
+
+    done = raytpu(
+        "submit",
+        "jobs/mshnet/small.yaml",
+        *tiny(tmp_path, data, "via-raytpu"),
+        "--address",
+        ray_head["address"],
+        env=auth,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "submitted job:  raytpu-via-raytpu-" in done.stdout
+    assert f"ray job logs --address {ray_head['address']} --follow raytpu-via-raytpu-" in done.stdout
+    assert "best checkpoint:" in done.stdout and "succeeded" in done.stdout.splitlines()[-1]
+    assert checkpoints(tmp_path / "via-raytpu")
+
+    client = JobSubmissionClient(ray_head["address"], headers={"Authorization": f"Bearer {ray_head['token']}"})
+    deadline = time.monotonic() + 300
+    while (status := client.get_job_status("plain-ray-job")) not in (JobStatus.SUCCEEDED, JobStatus.FAILED):
+        assert time.monotonic() < deadline, client.get_job_logs("plain-ray-job")[-3000:]
+        time.sleep(2)
+    assert status == JobStatus.SUCCEEDED, client.get_job_logs("plain-ray-job")[-3000:]
+    assert checkpoints(tmp_path / "via-ray")
