@@ -570,7 +570,7 @@ def train_worker_entry(payload: dict[str, Any]) -> None:
     context = ray.train.get_context()
     cfg.xla.compile_cache = cfg.xla.compile_cache or str(run_dir / "xla_cache")
     if cfg.scaling.runtime == "xla" and cfg.scaling.tpu.accelerator_type and cfg.scaling.tpu.layout == "multiprocess":
-        configure_chip_process(cfg, context.get_world_rank(), context.get_local_rank())
+        configure_chip_process(cfg, context.get_world_rank())
     runtime = make_runtime(
         cfg.scaling.runtime,
         cfg.scaling.precision,
@@ -592,19 +592,19 @@ def train_worker_entry(payload: dict[str, Any]) -> None:
         reporter.report(metrics, Path(tmp) if runtime.is_main else None, "test")
 
 
-def configure_chip_process(cfg: Config, world_rank: int, local_rank: int) -> None:
+def configure_chip_process(cfg: Config, world_rank: int) -> dict[str, str]:
     """Per-chip layout: give this process torch_xla's PJRT multi-process environment
-    (before torch_xla is imported), from the slice spec and every host's address."""
+    (before torch_xla is imported), from the slice spec and every worker's TPU worker id and
+    host address (Ray does not order the hosts by worker id: ``raytpu.tpu.chip_process_env``)."""
     import ray
     import torch.distributed as dist
 
-    from raytpu.tpu import apply_env, pjrt_env_for_process, slice_spec
+    from raytpu.tpu import apply_env, chip_process_env, slice_spec, tpu_worker_id
 
     spec = slice_spec(cfg.scaling.tpu.accelerator_type, cfg.scaling.tpu.topology)
-    addresses: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(addresses, ray.util.get_node_ip_address())
-    hosts = addresses[:: spec.chips_per_host]
-    env = pjrt_env_for_process(
-        world_rank, local_rank, spec.chips_per_host, world_rank // spec.chips_per_host, hosts, topology=spec.topology
-    )
+    mine = (tpu_worker_id(ray.get_runtime_context().get_node_labels()), ray.util.get_node_ip_address())
+    placements: list[tuple[int, str]] = [(0, "")] * dist.get_world_size()
+    dist.all_gather_object(placements, mine)
+    env = chip_process_env(world_rank, placements, spec)
     apply_env(env)
+    return env

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from math import prod
 
@@ -270,6 +270,51 @@ def pjrt_env_for_process(
         "TPU_PROCESS_PORT": str(ports[local_rank]),
         "CLOUD_TPU_TASK_ID": str(world_rank),
     }
+
+
+def chip_process_env(
+    world_rank: int, placements: Sequence[tuple[int, str]], spec: SliceSpec, port: int = DEFAULT_PJRT_PORT
+) -> dict[str, str]:
+    """:func:`pjrt_env_for_process` for Ray world rank ``world_rank`` of a per-chip run, numbered as torch_xla does.
+
+    ``placements[r]`` is ``(tpu_worker_id, host_address)`` of world rank ``r``, gathered from every
+    worker. Ray Train 2.60 keeps a slice's per-chip workers together by host but orders the hosts as
+    it reserved them, not by TPU worker id (``tests/test_fake_tpu_cluster.py`` sees rank 0 on worker
+    1), so the task id is what ``xmp.spawn`` would give: ``worker_id * chips_per_host + local rank``,
+    the local rank being the position of the rank among its host's ranks, and the hosts are listed
+    by worker id.
+    """
+    if len(placements) != spec.num_chips:
+        raise ValueError(f"{spec.pod_type} has {spec.num_chips} chips but {len(placements)} chip processes were given")
+    ranks_of: dict[int, list[int]] = {}
+    address_of: dict[int, str] = {}
+    for rank, (worker_id, address) in enumerate(placements):
+        ranks_of.setdefault(worker_id, []).append(rank)
+        if address_of.setdefault(worker_id, address) != address:
+            raise ValueError(f"TPU worker {worker_id} has two addresses: {address_of[worker_id]} and {address}")
+    counts = {worker: len(ranks) for worker, ranks in sorted(ranks_of.items())}
+    if counts != {worker: spec.chips_per_host for worker in range(spec.num_hosts)}:
+        raise ValueError(
+            f"{spec.pod_type} needs {spec.chips_per_host} processes on each TPU worker 0..{spec.num_hosts - 1}; "
+            f"processes per worker id: {counts}"
+        )
+    worker_id = placements[world_rank][0]
+    local_rank = ranks_of[worker_id].index(world_rank)
+    hosts = [address_of[worker] for worker in range(spec.num_hosts)]
+    task_id = worker_id * spec.chips_per_host + local_rank
+    per_host = spec.chips_per_host
+    return pjrt_env_for_process(task_id, local_rank, per_host, worker_id, hosts, port, topology=spec.topology)
+
+
+def tpu_worker_id(labels: Mapping[str, str], environ: Mapping[str, str] = os.environ) -> int:
+    """This host's index in its slice: Ray's node label ``ray.io/tpu-worker-id``, else ``TPU_WORKER_ID``."""
+    value = labels.get("ray.io/tpu-worker-id") or environ.get("TPU_WORKER_ID")
+    if value is None or not str(value).isdigit():
+        raise ValueError(
+            "cannot tell this host's TPU worker id: the Ray node has no ray.io/tpu-worker-id label and "
+            "TPU_WORKER_ID is not set (start Ray on the TPU VM itself, or set TPU_WORKER_ID)"
+        )
+    return int(value)
 
 
 def apply_env(env: Mapping[str, str], environ: MutableMapping[str, str] | None = None) -> None:

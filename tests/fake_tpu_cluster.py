@@ -9,7 +9,8 @@ The cluster is a CPU head and two v4-16 slices (2 hosts x 4 chips each), each ho
 For both layouts the driver builds the trainer exactly as ``raytpu train`` does
 (``launcher.build_trainer``: ``ScalingConfig(**scaling_kwargs(cfg))`` and raytpu's torch
 config) and runs a tiny train function with the same scaling and backend: each worker writes
-its node, labels and Ray's TPU chip ids to ``OUT/<layout>/rank_<r>.json``. No XLA is run.
+its node, labels and Ray's TPU chip ids to ``OUT/<layout>/rank_<r>.json``, and in the per-chip
+layout also the PJRT environment raytpu's ``configure_chip_process`` sets. No XLA is run.
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ def where_am_i(config: dict[str, Any]) -> None:
         "tpu_visible_chips": os.environ.get("TPU_VISIBLE_CHIPS"),
         "accelerate_device": os.environ.get("ACCELERATE_TORCH_DEVICE"),
     }
+    if config["layout"] == "multiprocess":  # raytpu's own per-chip setup: the env torch_xla would read
+        from raytpu.config import from_dict
+        from raytpu.loop import configure_chip_process
+
+        cfg, _ = from_dict(config["config"])
+        record["pjrt_env"] = configure_chip_process(cfg, record["rank"])
     out = Path(config["out"]) / f"rank_{record['rank']}.json"
     out.write_text(json.dumps(record))
 
@@ -71,7 +78,7 @@ def run_layout(layout: str, out: Path) -> None:
     from ray.train import RunConfig
     from ray.train.torch import TorchTrainer
 
-    from raytpu.config import load_config
+    from raytpu.config import load_config, to_dict
     from raytpu.launcher import build_trainer
 
     cfg, _ = load_config(
@@ -90,7 +97,7 @@ def run_layout(layout: str, out: Path) -> None:
     records.mkdir(parents=True)
     probe = TorchTrainer(
         where_am_i,
-        train_loop_config={"out": str(records)},
+        train_loop_config={"out": str(records), "layout": layout, "config": to_dict(cfg)},
         scaling_config=raytpu_trainer.scaling_config,
         torch_config=raytpu_trainer.backend_config,
         run_config=RunConfig(name=f"fake-tpu-{layout}", storage_path=str(out / "results")),

@@ -77,3 +77,18 @@ def test_no_torch_tpu_device_on_xla_workers(placements: dict[str, Any], layout: 
     """Ray's TPU device manager (torch_tpu) stays out of the way: the workers started, and
     no 'cpu' device is advertised to Hugging Face Accelerate."""
     assert all(r["accelerate_device"] is None for r in placements[layout])
+
+
+def test_multiprocess_task_ids_follow_the_tpu_worker_id(placements: dict[str, Any]) -> None:
+    """torch_xla numbers a chip process worker_id * chips_per_host + local rank; Ray's world ranks
+    follow the order it reserved the hosts in, which need not be the worker id order."""
+    task_ids = []
+    for workers in by_host(placements["multiprocess"]).values():
+        worker_id = int(workers[0]["labels"]["ray.io/tpu-worker-id"])
+        envs = [r["pjrt_env"] for r in workers]
+        assert sorted(int(e["CLOUD_TPU_TASK_ID"]) for e in envs) == [worker_id * CHIPS_PER_HOST + i for i in range(4)]
+        assert sorted(e["TPU_VISIBLE_CHIPS"] for e in envs) == ["0", "1", "2", "3"]
+        assert {e["TPU_PROCESS_BOUNDS"] for e in envs} == {"2,2,2"}
+        assert all(len(e["TPU_PROCESS_ADDRESSES"].split(",")) == 8 for e in envs)
+        task_ids += [int(e["CLOUD_TPU_TASK_ID"]) for e in envs]
+    assert sorted(task_ids) == list(range(8))

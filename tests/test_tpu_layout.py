@@ -429,3 +429,54 @@ def test_wrong_worker_count_for_the_slice_is_a_clear_error():
     )
     with pytest.raises(ValueError, match="needs num_workers=4"):
         scaling_kwargs(cfg)
+
+
+# ---------------------------------------------------------------- per-chip processes as Ray places them
+def test_chip_process_env_numbers_by_tpu_worker_id_not_by_ray_rank() -> None:
+    """Ray put ranks 0-3 on TPU worker 1 and 4-7 on worker 0 (seen on the fake TPU cluster)."""
+    from raytpu.tpu import chip_process_env
+
+    spec = parse_pod_type("v4-16")
+    placements = [(1, V4_16_HOSTS[1])] * 4 + [(0, V4_16_HOSTS[0])] * 4
+    assert chip_process_env(0, placements, spec) == pjrt_env_for_process(4, 0, 4, 1, V4_16_HOSTS, topology="2x2x2")
+    assert chip_process_env(7, placements, spec) == pjrt_env_for_process(3, 3, 4, 0, V4_16_HOSTS, topology="2x2x2")
+    interleaved = [(r % 2, V4_16_HOSTS[r % 2]) for r in range(8)]
+    assert chip_process_env(3, interleaved, spec)["CLOUD_TPU_TASK_ID"] == "5"
+    assert chip_process_env(3, interleaved, spec)["TPU_PROCESS_ADDRESSES"] == V4_16_ADDRESSES
+
+
+def test_chip_process_env_single_host() -> None:
+    from raytpu.tpu import chip_process_env
+
+    env = chip_process_env(5, [(0, "10.0.0.9")] * 8, parse_pod_type("v5litepod-8"))
+    assert env == PJRT_CASES[1][1] | {
+        "TPU_VISIBLE_CHIPS": "5",
+        "TPU_PROCESS_PORT": "8481",
+        "CLOUD_TPU_TASK_ID": "5",
+        "PJRT_LOCAL_PROCESS_RANK": "5",
+    }
+
+
+@pytest.mark.parametrize(
+    ("placements", "message"),
+    [
+        ([(0, "a")] * 4 + [(1, "b")] * 3, "has 8 chips but 7 chip processes"),
+        ([(0, "a")] * 5 + [(1, "b")] * 3, r"processes per worker id: \{0: 5, 1: 3\}"),
+        ([(0, "a")] * 4 + [(2, "b")] * 4, r"processes per worker id: \{0: 4, 2: 4\}"),
+        ([(0, "a")] * 3 + [(0, "c")] + [(1, "b")] * 4, "TPU worker 0 has two addresses: a and c"),
+    ],
+)
+def test_chip_process_env_errors(placements: list, message: str) -> None:
+    from raytpu.tpu import chip_process_env
+
+    with pytest.raises(ValueError, match=message):
+        chip_process_env(0, placements, parse_pod_type("v4-16"))
+
+
+def test_tpu_worker_id_from_label_then_env() -> None:
+    from raytpu.tpu import tpu_worker_id
+
+    assert tpu_worker_id({"ray.io/tpu-worker-id": "3"}, {"TPU_WORKER_ID": "1"}) == 3
+    assert tpu_worker_id({}, {"TPU_WORKER_ID": "1"}) == 1
+    with pytest.raises(ValueError, match="cannot tell this host's TPU worker id"):
+        tpu_worker_id({}, {})
