@@ -227,7 +227,7 @@ def stop_head(head: subprocess.Popen, temp_dir: str) -> None:
     if head.poll() is None:
         os.killpg(head.pid, signal.SIGTERM)
         try:
-            head.wait(timeout=30)
+            head.wait(timeout=10)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
     deadline = time.monotonic() + 15
