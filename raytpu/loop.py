@@ -105,6 +105,8 @@ class Progress:
     step: int = 0
     epoch: int = 0
     best: float | None = None
+    #: reports (eval rounds with a checkpoint) so far, counted across resumes: Tune's time unit
+    reports: int = 0
 
 
 class Trainer:
@@ -237,6 +239,12 @@ class Trainer:
             for due in (False, True)
         }
         self.nonfinite = torch.zeros((), device=self.runtime.device)
+        self._reset_loss_since_report()
+        self._restored_metrics: dict[str, float] = {}
+
+    def _reset_loss_since_report(self) -> None:
+        self._loss_since_report = torch.zeros((), device=self.runtime.device)
+        self._steps_since_report = 0
 
     # ----------------------------------------------------------- resume
     def _restore(self) -> bool:
@@ -254,7 +262,10 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.runtime.load_scaler_state(state.get("scaler"))
-        self.progress = Progress(step=meta["step"], epoch=meta["epoch"], best=meta.get("best"))
+        self.progress = Progress(
+            step=meta["step"], epoch=meta["epoch"], best=meta.get("best"), reports=meta.get("reports", 0)
+        )
+        self._restored_metrics = meta.get("metrics", {})
         rng_file = directory / "rng" / f"rank_{self.rank}.pt"
         if rng_file.is_file():
             set_rng_states(self.runtime, ckpt.load_torch(rng_file))
@@ -278,7 +289,7 @@ class Trainer:
         try:
             if p.step >= self.total_steps:
                 self._message(f"run already complete at step {p.step}; nothing to do")
-                return metrics
+                return self._report_final_again()
             while p.step < self.total_steps:
                 epoch_done = self._train_epoch()
                 if epoch_done:
@@ -295,6 +306,14 @@ class Trainer:
             self.runtime.finish()
             self.logger.close()
 
+    def _report_final_again(self) -> dict[str, float]:
+        """A complete run restarted (a resumed Tune trial whose last report was lost in
+        the interruption): report the final checkpoint's metrics once more, without a
+        new checkpoint, so whoever drives the run sees how it ended."""
+        metrics = self._restored_metrics
+        self.reporter.report(self._report_values(metrics), None, f"checkpoint_{self.progress.step:08d}")
+        return metrics
+
     def _train_epoch(self) -> bool:
         """Train until the end of the epoch (True) or of the run (False)."""
         p, cfg = self.progress, self.cfg
@@ -309,6 +328,8 @@ class Trainer:
             p.step += 1
             self._after_step()
             self._guard_recompile(index - done_in_epoch, self.runtime.compile_count() - compiles_before)
+            if cfg.checkpoint.every_steps and p.step % cfg.checkpoint.every_steps == 0 and p.step < self.total_steps:
+                self._checkpoint(self.evaluate())  # every checkpoint carries a score, for best-of and Tune
             if p.step >= self.total_steps:
                 return p.step % self.steps_per_epoch == 0
         return True
@@ -318,6 +339,12 @@ class Trainer:
         if cfg.loop.fail_at_step and p.step + 1 == cfg.loop.fail_at_step:
             raise RuntimeError(f"fault injected by loop.fail_at_step={cfg.loop.fail_at_step}")
         ctx = StepContext(epoch=p.epoch, step=p.step, training=True, config=cfg)
+        with rt.compiled_step():
+            self._forward_backward_update(batches, ctx)
+
+    def _forward_backward_update(self, batches: Iterator, ctx: StepContext) -> None:
+        """Everything of one optimizer step: the part that XLA compiles as one graph."""
+        p, cfg, rt = self.progress, self.cfg, self.runtime
         accum = cfg.loop.grad_accum
         loss_sum = None
         for micro in range(accum):
@@ -332,6 +359,8 @@ class Trainer:
         if self.ema is not None:
             self._update_ema((p.step + 1) % cfg.loop.ema_every == 0)
         loss_mean = loss_sum.float() / accum
+        self._loss_since_report = self._loss_since_report + loss_mean
+        self._steps_since_report += 1
         self.nonfinite = torch.maximum(self.nonfinite, (~torch.isfinite(loss_mean)).float())
         extras = {k: v.detach().float() for k, v in extra.items() if k != "loss"}
         self._stats = torch.stack([loss_mean, grad_norm.float(), self.nonfinite, *extras.values()])
@@ -354,8 +383,6 @@ class Trainer:
         self.runtime.mark_step()
         if self._stop_reason:
             raise NonFiniteLossError(self._stop_reason)
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < self.total_steps:
-            self._checkpoint(self.evaluate())  # every checkpoint carries a score, for best-of and Tune
 
     def _guard_recompile(self, steps_into_epoch: int, compiles: int) -> None:
         """After warm-up a training step must reuse its compiled graph.
@@ -448,18 +475,34 @@ class Trainer:
                 p.best = value
         return p.best
 
-    def _checkpoint(self, metrics: dict[str, float]) -> None:
-        p, rt = self.progress, self.runtime
-        best = self._score(metrics)
+    def _train_loss_since_report(self) -> dict[str, float]:
+        """``train/loss``: the mean training loss over the steps since the last report,
+        over all workers (a metric Tune can use as well as the validation ones)."""
+        steps = self._steps_since_report
+        total = self.runtime.all_reduce_sum({"loss": self._loss_since_report})["loss"]
+        self._reset_loss_since_report()
+        return {"train/loss": float(total) / (steps * self.runtime.world_size)} if steps else {}
+
+    def _report_values(self, metrics: dict[str, float]) -> dict[str, Any]:
+        """What one report carries: the metrics, where the run is, and the scores."""
+        p = self.progress
         # finite: Ray's checkpoint snapshot is JSON, where an infinity comes back as null
         worst = -1e30 if self.job.main_metric_mode == "max" else 1e30
-        report = {
+        return {
             **metrics,
             "step": p.step,
             "epoch": p.epoch,
+            "report": p.reports,
             "score": metrics.get(f"valid/{self.job.main_metric}", worst),
-            "best": best if best is not None else worst,
+            "best": p.best if p.best is not None else worst,
         }
+
+    def _checkpoint(self, metrics: dict[str, float]) -> None:
+        p, rt = self.progress, self.runtime
+        self._score(metrics)
+        metrics = {**metrics, **self._train_loss_since_report()}
+        p.reports += 1
+        report = self._report_values(metrics)
         with tempfile.TemporaryDirectory(prefix="raytpu-ckpt-") as tmp:
             directory = Path(tmp)
             ckpt.save_torch(directory / "rng" / f"rank_{self.rank}.pt", rng_states(rt))
@@ -483,6 +526,7 @@ class Trainer:
                         "step": p.step,
                         "epoch": p.epoch,
                         "best": p.best,
+                        "reports": p.reports,
                         "metrics": metrics,
                         "job": self.job.name,
                         "config": to_dict(self.cfg),

@@ -70,12 +70,16 @@ def test_global_batch_not_divisible_by_workers_is_a_config_error(tmp_path):
         Trainer(cfg, job, runtime, tmp_path, tmp_path, LocalReporter(tmp_path)).fit()
 
 
-def test_completed_run_is_not_retrained(tmp_path):
-    run(tmp_path, "loop.epochs=1")
+def test_completed_run_is_not_retrained_and_reports_its_end_again(tmp_path):
+    first = run(tmp_path, "loop.epochs=2")
     before = final_weights(tmp_path)
-    again = run(tmp_path, "loop.epochs=1")
-    assert again.progress.step == 8
+    again = run(tmp_path, "loop.epochs=2")
+    assert again.progress.step == 16
     torch.testing.assert_close(final_weights(tmp_path)["0.weight"], before["0.weight"])
+    # one report, the last one of the first run (counted across runs: report 2, train/loss kept)
+    assert again.reporter.reports == [first.reporter.reports[-1]]
+    assert [r["report"] for r in first.reporter.reports] == [1, 2]
+    assert "train/loss" in again.reporter.reports[0]
 
 
 def test_checkpoints_are_complete_and_pruned(tmp_path):

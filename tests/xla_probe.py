@@ -28,18 +28,27 @@ def main(argv: list[str]) -> None:
     data_root = resolve_data_root(cfg, job) if cfg.data.path else run_dir
     trainer = Trainer(cfg, job, runtime, run_dir, data_root, LocalReporter(run_dir))
     seen: dict = {"losses": []}
-    after_step = trainer._after_step
+    train_step, after_step = trainer._train_step, trainer._after_step
     log_closure = trainer._log_closure
 
-    def probe_step() -> None:
+    def compiles() -> int:
+        data = met.metric_data("CompileTime")
+        return data[0] if data else 0
+
+    def probe_train_step(batches) -> None:
+        seen["before"] = compiles()
+        train_step(batches)
+
+    def probe_after_step() -> None:
+        """Compiles of the step and its closures only: what a checkpoint between
+        steps compiles (FSDPv2 gathers each sharded tensor once) is not the step's."""
         after_step()
         step = trainer.progress.step
         if step == warmup:
             met.clear_all()
         elif step > warmup:
-            compile_data = met.metric_data("CompileTime")
             seen[step] = {
-                "compiles": compile_data[0] if compile_data else 0,
+                "compiles": compiles() - seen["before"],
                 "fallbacks": sorted(n for n in met.counter_names() if n.startswith("aten::")),
             }
 
@@ -47,7 +56,8 @@ def main(argv: list[str]) -> None:
         seen["losses"].append(float(stats.cpu()[0]))
         log_closure(stats, step, lr)
 
-    trainer._after_step = probe_step
+    trainer._train_step = probe_train_step
+    trainer._after_step = probe_after_step
     trainer.evaluate = lambda *args, **kwargs: {}  # eval graphs are not part of the training step
     trainer._log_closure = probe_log
     trainer.fit()
@@ -56,7 +66,7 @@ def main(argv: list[str]) -> None:
         json.dumps(
             {
                 "devices": runtime.local_devices,
-                "compiles_after_warmup": max((seen[s]["compiles"] for s in steps), default=0),
+                "compiles_after_warmup": sum(seen[s]["compiles"] for s in steps),
                 "fallbacks_after_warmup": sorted({f for s in steps for f in seen[s]["fallbacks"]}),
                 "steps_checked": len(steps),
                 "losses": seen["losses"],

@@ -96,6 +96,10 @@ class Runtime:
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
+    def compiled_step(self) -> contextlib.AbstractContextManager:
+        """Context of one training step (XLA traces it as one graph)."""
+        return contextlib.nullcontext()
+
     def no_sync(self, model: nn.Module, skip: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce on accumulation micro-steps."""
         if skip and hasattr(model, "no_sync"):

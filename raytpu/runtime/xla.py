@@ -8,7 +8,12 @@ Two ways to use a worker's devices:
   which has no cross-process collectives.
 * SPMD (``xla.spmd: true``): one worker per host drives all of its devices;
   the batch is sharded over a ``('data', 'fsdp')`` mesh and XLA inserts the
-  gradient all-reduce.
+  gradient all-reduce. With ``xla.mesh.fsdp > 1`` the model is wrapped in
+  FSDPv2 (``SpmdFullyShardedDataParallel``): parameters, gradients and
+  optimizer state are sharded over the ``fsdp`` axis, the batch over both.
+
+The training step runs under ``torch_xla.compile(full_graph=True)``: one
+graph, and an error naming the culprit if anything in it forces an execution.
 
 torch_xla is imported only here, inside the worker, never in the driver.
 """
@@ -74,7 +79,32 @@ class XLARuntime(Runtime):
 
     # --------------------------------------------------------------- model
     def prepare_model(self, model: nn.Module, find_unused_parameters: bool = False) -> nn.Module:
-        return model.to(self.device)
+        model = model.to(self.device)
+        if not self.fsdp:
+            return model
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+
+        return SpmdFullyShardedDataParallel(model, mesh=self.mesh, shard_output=self._shard_batch_outputs)
+
+    @property
+    def fsdp(self) -> bool:
+        return self.mesh is not None and dict(zip(self.mesh.axis_names, self.mesh.mesh_shape))["fsdp"] > 1
+
+    @staticmethod
+    def _shard_batch_outputs(output: Any, mesh: Any) -> None:
+        """FSDPv2 needs the forward's outputs sharded like the batch; jobs return
+        tuples and lists of tensors, so shard every one along its first dimension."""
+        import torch_xla.distributed.spmd as xs
+        from torch.utils._pytree import tree_leaves
+
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                xs.mark_sharding(leaf, mesh, (("data", "fsdp"),) + (None,) * (leaf.dim() - 1))
+
+    def compiled_step(self) -> Any:
+        """The training step as one graph. Host-side gradient averaging (CPU PJRT with
+        several workers) has to execute inside the step, so it gets a plain trace."""
+        return self._torch_xla.compile(full_graph=not self.host_collectives, name="train_step")
 
     def autocast(self) -> Any:
         if self.precision == "fp32":
