@@ -149,7 +149,7 @@ def connect(address: str) -> Any:
 
 def _auth_message(address: str, exc: BaseException) -> str:
     text = _first_line(exc)
-    if "Authentication" in str(exc) or "401" in text or "403" in text:
+    if "authentication" in str(exc).lower() or "401" in text or "403" in text:
         return (
             f"{address} refused the request ({text}); token authentication is on: put the cluster's token "
             "in ~/.ray/auth_token or export RAY_AUTH_TOKEN"

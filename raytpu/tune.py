@@ -31,6 +31,9 @@ DOMAINS: dict[str, int | None] = {"choice": None, "grid": None, "uniform": 2, "l
 
 #: CPU the trial's driver asks for: it only waits on its TorchTrainer (Tune refuses 0)
 DRIVER_CPU = 0.01
+#: the loop's cumulative report counter: ASHA's time unit, unlike Tune's
+#: ``training_iteration`` it does not restart when a resumed trial reruns its driver
+REPORT_COUNT = "report"
 
 #: ``raytpu tune`` flags -> ``tune.*`` keys (they win over a job's seed-flag aliases of the same name)
 FLAGS = {
@@ -255,7 +258,7 @@ class Sweep:
 
     def row(self, trial_id: str, values: dict[str, Any], metrics: dict[str, Any] | None, status: str) -> dict:
         metrics = metrics or {}
-        reports = metrics.get("training_iteration")
+        reports = metrics.get(REPORT_COUNT)
         if status == "TERMINATED":
             status = "done" if reports is not None and reports >= self.max_t else "stopped early"
         row = {"trial": trial_id, **values, self.metric: metrics.get(self.metric), "reports": reports}
@@ -273,22 +276,26 @@ class TableCallback(Callback):
     def __init__(self, sweep: Sweep, every_s: float = 10.0) -> None:
         self.sweep, self.every_s, self.last = sweep, every_s, 0.0
 
-    def _print(self, trials: list[Any], force: bool = False) -> None:
+    def _print(self, trials: list[Any], force: bool = False, ended: Any = None, status: str = "") -> None:
+        """``ended``: the trial this callback is told about, whose ``status`` Tune sets only after."""
         now = time.monotonic()
         if not force and now - self.last < self.every_s:
             return
         self.last = now
-        rows = [self.sweep.row(t.trial_id, dict(t.config), t.last_result, t.status) for t in trials]
+        rows = [
+            self.sweep.row(t.trial_id, dict(t.config), t.last_result, status if t is ended else t.status)
+            for t in trials
+        ]
         print("\n" + format_table(rows, self.sweep.columns), flush=True)
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
         self._print(trials)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self._print(trials, force=True)
+        self._print(trials, force=True, ended=trial, status="TERMINATED")
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self._print(trials, force=True)
+        self._print(trials, force=True, ended=trial, status="ERROR")
 
 
 # -------------------------------------------------------------------- run
@@ -331,7 +338,7 @@ def make_tuner(sweep: Sweep, trainable: Any, concurrent: int) -> Any:
     tc = sweep.cfg.tune
     scheduler = (
         ASHAScheduler(
-            time_attr="training_iteration",
+            time_attr=REPORT_COUNT,
             max_t=sweep.max_t,
             grace_period=tc.grace_period,
             reduction_factor=tc.reduction_factor,
