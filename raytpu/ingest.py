@@ -247,16 +247,26 @@ def prepared_location(cfg: Config, job: Job) -> str:
 
 
 def read_datasets(cfg: Config, job: Job, mode: str) -> dict[str, Any]:
-    """The Ray Datasets of a run: ``train`` and ``valid``, or ``test``."""
+    """The Ray Datasets of a run: ``train`` and ``valid``, or ``test``.
+
+    The train set streams (a fresh read per epoch, files shuffled). Eval sets are
+    materialized here, once, into the object store: every worker reads them
+    whole at every eval, and re-running the read tasks each time would cost
+    more than the eval itself on small sets.
+    """
     import ray.data
 
     prepared = open_prepared(cfg.data.path, job.name)
     splits = ("train", "valid") if mode == "train" else ("test",)
     datasets = {}
     for split in splits:
-        shuffle = "files" if split == "train" and cfg.data.shuffle else None
+        train = split == "train"
         paths = prepared.paths(job.table_for_split(cfg, split))
-        datasets[split] = ray.data.read_parquet(paths, filesystem=prepared.fs, shuffle=shuffle)
+        dataset = ray.data.read_parquet(
+            paths, filesystem=prepared.fs, shuffle="files" if train and cfg.data.shuffle else None
+        )
+        dataset.context.enable_progress_bars = False  # per-operator bars on every worker flood the run's log
+        datasets[split] = dataset if train else dataset.materialize()
     return datasets
 
 

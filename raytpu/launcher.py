@@ -93,6 +93,7 @@ def build_trainer(cfg: Config, payload: dict[str, Any], name: str, callbacks: li
     from raytpu.loop import train_worker_entry
     from raytpu.xla_backend import torch_config
 
+    leave_cpu_for_ray_data(cfg)
     scaling = ScalingConfig(**scaling_kwargs(cfg))
     mode = payload["mode"]
     checkpoints = CheckpointConfig(
@@ -123,6 +124,26 @@ def prepared_root(cfg: Config, job: Job) -> Path:
     from raytpu import ingest
 
     return Path(ingest.prepared_location(cfg, job))
+
+
+def leave_cpu_for_ray_data(cfg: Config) -> None:
+    """data.loader=ray: Ray Data's read tasks need a free CPU. On a cluster whose workers
+    would reserve every CPU (a 2-core machine with 2 workers), reserve less per worker."""
+    import ray
+
+    if cfg.data.loader != "ray":
+        return
+    total = ray.cluster_resources().get("CPU", 0.0)
+    spare = total - cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    if spare >= 1 or total <= 1:
+        return
+    share = (total - 1) / cfg.scaling.num_workers
+    print(
+        f"raytpu: data.loader=ray: leaving 1 of the cluster's {total:g} CPUs to Ray Data "
+        f"(scaling.cpus_per_worker {cfg.scaling.cpus_per_worker:g} -> {share:g})",
+        flush=True,
+    )
+    cfg.scaling.cpus_per_worker = share
 
 
 def ray_datasets(cfg: Config, payload: dict[str, Any]) -> dict[str, Any]:

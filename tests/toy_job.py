@@ -3,15 +3,18 @@ outside ``jobs/`` plugs in by its dotted module path."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from raytpu.job import Batch, Job, JobConfig, StepContext
+from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
 
 
 @dataclass
@@ -60,6 +63,25 @@ class ToyJob(Job):
     def synthesize(self, out: Path, **options: Any) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "READY").write_text("toy data is generated in memory\n")
+        (out / "toy.json").write_text(json.dumps(options))  # what `raytpu data prepare` writes out
+
+    # the Ray Data seam: the in-memory samples as tables, `index` = `id`
+    def table_names(self, src: Path) -> list[str]:
+        return ["train", "valid", "test"]
+
+    def table_records(self, src: Path, table: str, rows: int) -> Iterator[Columns]:
+        options = {**vars(ToyConfig()), **json.loads((Path(src) / "toy.json").read_text())}
+        data = self.build_dataset(type("Cfg", (), {"job": ToyConfig(**options)}), table, src)
+        for start in range(0, len(data), rows):
+            index = np.arange(start, min(start + rows, len(data)))
+            yield {"id": index, "x": data.x[index].numpy(), "y": data.y[index].numpy()}
+
+    def batch_decoder(self, cfg: Any, split: str, stats_root: Path) -> BatchDecoder:
+        def decode(columns: Columns, epoch: int) -> Batch:
+            x, y = torch.from_numpy(columns["x"]), torch.from_numpy(columns["y"])
+            return {"x": x, "y": y[:, None], "index": torch.from_numpy(columns["id"])}
+
+        return decode
 
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
         x, y = batch["x"], batch["y"]

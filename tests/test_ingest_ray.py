@@ -1,0 +1,190 @@
+"""data.loader=ray through real Ray Train (2 local CPU workers, the session's Ray):
+the two ingest paths visit the same samples, MSHNet trains, resumes and tests,
+CDEIT trains."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from raytpu import checkpoint as ckpt
+from raytpu import ingest, launcher
+from raytpu.config import load_config
+from tests.test_integration_ray import TINY
+
+pytestmark = pytest.mark.integration
+
+WORKERS, EPOCHS, SAMPLES, BATCH = 2, 2, 70, 4  # 35 rows a worker: 8 batches, 3 rows dropped
+
+
+def record_ids(payload: dict[str, Any]) -> None:
+    """A Ray Train worker: both ingest paths' batches for two epochs, written as JSON."""
+    import ray.train
+
+    from raytpu.config import from_dict
+    from raytpu.loop import LocalReporter, Trainer
+    from raytpu.runtime import make_runtime
+
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    datasets = {name: ray.train.get_dataset_shard(name) for name in ("train", "valid")}
+    record: dict[str, Any] = {}
+    for loader in ("torch", "ray"):
+        cfg, job = from_dict(payload["config"])
+        cfg.data.loader = loader
+        runtime = make_runtime("cpu", "fp32", world, rank, 0)
+        run_dir = Path(payload["run_dir"])
+        trainer = Trainer(cfg, job, runtime, run_dir, run_dir, LocalReporter(run_dir), datasets)
+        per_epoch = trainer._setup_data()
+        epochs = []
+        for epoch in range(EPOCHS):
+            batches = list(trainer._epoch_batches(epoch, 0))
+            ids, shapes = [b["index"].tolist() for b in batches], [list(b["x"].shape) for b in batches]
+            epochs.append({"ids": ids, "shapes": shapes})
+        record[loader] = {"per_epoch": per_epoch, "epochs": epochs}
+    (run_dir / f"rank_{rank}.json").write_text(json.dumps(record))
+
+
+def toy_config(tmp_path: Path) -> tuple[Any, Any]:
+    cfg, job = load_config(
+        None,
+        [
+            "job.name=tests.toy_job",
+            f"job.samples={SAMPLES}",
+            f"data.path={tmp_path / 'pq'}",
+            "data.loader=ray",
+            f"data.global_batch_size={WORKERS * BATCH}",
+            f"scaling.num_workers={WORKERS}",
+        ],
+    )
+    job.synthesize(tmp_path / "native", samples=SAMPLES)
+    ingest.prepare(job, tmp_path / "native", str(tmp_path / "pq"), rows_per_file=16)
+    ingest.prepared_location(cfg, job)
+    launcher.leave_cpu_for_ray_data(cfg)
+    return cfg, job
+
+
+def test_both_paths_give_every_worker_the_same_steps_and_each_id_once_per_epoch(ray_session, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytpu.config import to_dict
+
+    cfg, job = toy_config(tmp_path)
+    trainer = TorchTrainer(
+        record_ids,
+        train_loop_config={"config": to_dict(cfg), "run_dir": str(tmp_path)},
+        scaling_config=ScalingConfig(num_workers=WORKERS, resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
+        run_config=RunConfig(name="equivalence", storage_path=str(tmp_path / "results")),
+        datasets=ingest.read_datasets(cfg, job, "train"),
+        dataset_config=ingest.dataset_config(),
+    )
+    trainer.fit()
+    records = [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in range(WORKERS)]
+    expected = (SAMPLES // WORKERS) // BATCH
+    for loader in ("torch", "ray"):
+        for epoch in range(EPOCHS):
+            seen: list[int] = []
+            for record in records:
+                assert record[loader]["per_epoch"] == expected, loader
+                batches = record[loader]["epochs"][epoch]
+                assert len(batches["ids"]) == expected, (loader, epoch)
+                assert all(shape == [BATCH, 8] for shape in batches["shapes"]), (loader, batches["shapes"])
+                seen += [i for batch in batches["ids"] for i in batch]
+            assert len(seen) == len(set(seen)) == WORKERS * expected * BATCH, (loader, epoch)
+            assert set(seen) <= set(range(SAMPLES)), loader
+
+
+def mshnet(tmp_path: Path, name: str, *extra: str) -> tuple[Any, Any]:
+    cfg, job = load_config(
+        "jobs/mshnet/small.yaml",
+        [
+            *TINY,
+            f"data.path={tmp_path / 'pq'}",
+            "data.loader=ray",
+            f"run.storage_path={tmp_path / 'results'}",
+            f"run.name={name}",
+            *extra,
+        ],
+    )
+    if not (tmp_path / "pq").exists():
+        job.synthesize(tmp_path / "native", **job.synth_options(cfg))
+        ingest.prepare(job, tmp_path / "native", str(tmp_path / "pq"))
+    return cfg, job
+
+
+def test_mshnet_trains_and_tests_through_ray_data(ray_session, tmp_path):
+    cfg, job = mshnet(tmp_path, "run", "loop.epochs=2")
+    summary = launcher.train(cfg, job)
+    latest = Path(summary["latest_checkpoint"])
+    assert (ckpt.read_meta(latest)["step"], ckpt.read_meta(latest)["epoch"]) == (8, 2)  # 32 images, 4 steps an epoch
+    assert scalars_steps(Path(summary["run_dir"]), "train/loss") == set(range(1, 9))
+    cfg.checkpoint.weights = str(latest)
+    metrics = launcher.test(cfg, job)
+    for name in ("mIoU", "nIoU", "Pd", "Fa"):  # valid and test are test.txt: same weights, same numbers
+        assert metrics[f"test/{name}"] == pytest.approx(summary["metrics"][f"valid/{name}"], rel=1e-6, abs=1e-9)
+
+
+def test_resume_from_a_mid_epoch_checkpoint_restarts_that_epoch_pass(ray_session, tmp_path):
+    """In-process, one worker: the failure at step 13 leaves the step-10 checkpoint (epoch 1,
+    2 of 8 steps done); the resumed run draws a fresh pass of epoch 1, drops its first 2
+    batches, and ends like an uninterrupted run: step 24, epoch 3, 8 steps an epoch."""
+    from raytpu.loop import LocalReporter, Trainer
+    from raytpu.runtime import make_runtime
+
+    cfg, job = load_config(None, ["job.name=tests.toy_job", f"data.path={tmp_path / 'pq'}", "data.loader=ray"])
+    job.synthesize(tmp_path / "native")
+    ingest.prepare(job, tmp_path / "native", str(tmp_path / "pq"), rows_per_file=16)
+    common = ["loop.epochs=3", "checkpoint.every_steps=5", "logging.progress_bar=false"]
+
+    def run(*extra: str) -> Trainer:
+        cfg, job = load_config(
+            None, ["job.name=tests.toy_job", f"data.path={tmp_path / 'pq'}", "data.loader=ray", *common, *extra]
+        )
+        datasets = {k: v.iterator() for k, v in ingest.read_datasets(cfg, job, "train").items()}
+        runtime = make_runtime("cpu", "fp32", 1, 0, 0)
+        trainer = Trainer(cfg, job, runtime, tmp_path / "run", tmp_path, LocalReporter(tmp_path / "run"), datasets)
+        trainer.fit()
+        return trainer
+
+    with pytest.raises(RuntimeError, match="fault injected"):
+        run("loop.fail_at_step=13")
+    assert ckpt.read_meta(LocalReporter(tmp_path / "run").latest_checkpoint())["step"] == 10
+    resumed = run()
+    assert (resumed.progress.step, resumed.progress.epoch, resumed.steps_per_epoch) == (24, 3, 8)
+
+
+def scalars_steps(run_dir: Path, tag: str) -> set[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    return {event.step for event in events.Scalars(tag)}
+
+
+def test_cdeit_trains_through_ray_data(ray_session, tmp_path):
+    cfg, job = load_config(
+        "jobs/cdeit/small.yaml",
+        [
+            f"data.path={tmp_path / 'pq'}",
+            "data.loader=ray",
+            f"run.storage_path={tmp_path / 'results'}",
+            "run.name=cdeit",
+            "job.synth_n_train=32",
+            "job.synth_n_valid=8",
+            "job.synth_n_test=8",
+            "loop.epochs=2",
+            "data.global_batch_size=8",
+            "logging.progress_bar=false",
+        ],
+    )
+    job.synthesize(tmp_path / "native", **job.synth_options(cfg))
+    ingest.prepare(job, tmp_path / "native", (tmp_path / "pq").as_uri())
+    cfg.data.path = (tmp_path / "pq").as_uri()  # read through pyarrow's filesystem layer
+    summary = launcher.train(cfg, job)
+    assert Path(summary["best_checkpoint"], "ema.safetensors").is_file()
+    assert ckpt.read_meta(Path(summary["latest_checkpoint"]))["step"] == 8
+    assert "valid/val_l1" in summary["metrics"]
