@@ -1,0 +1,131 @@
+"""Data delivery of the two ingest paths against what a training step consumes.
+
+MSHNet small data (synthetic, made here), one worker's share of the small
+config's global batch. For the torch DataLoader path (``data.loader=torch``) and
+the Ray Data path (``data.loader=ray``, parquet from ``raytpu data prepare``),
+both built by the raytpu Trainer exactly as in training, measured side by side:
+
+* delivery: batches/s when the worker only iterates its batches;
+* consumption: steps/s of the training step (forward, backward, optimizer) on a
+  batch already in memory;
+* stall: the fraction of wall time spent waiting in ``next(batches)`` when the
+  two run together, as in training.
+
+The last line is ``stall=<fraction>`` of the slower path; the target is below 0.05.
+
+    python bench/ingest.py [--steps 30] [--images 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from raytpu import ingest  # noqa: E402
+from raytpu.config import load_config  # noqa: E402
+from raytpu.job import StepContext  # noqa: E402
+from raytpu.loop import LocalReporter, Trainer  # noqa: E402
+from raytpu.runtime import make_runtime  # noqa: E402
+
+CONFIG = "jobs/mshnet/small.yaml"
+
+
+def trainer_for(loader: str, data: Path, parquet: Path, workdir: Path) -> Trainer:
+    """A one-worker Trainer with this worker's share of the small config's batch."""
+    small, _ = load_config(CONFIG, [])
+    per_worker = small.data.global_batch_size // small.scaling.num_workers
+    path = parquet if loader == "ray" else data
+    overrides = [f"data.path={path}", f"data.loader={loader}", "scaling.num_workers=1"]
+    overrides += [f"data.global_batch_size={per_worker}", "logging.progress_bar=false", "logging.tensorboard=false"]
+    cfg, job = load_config(CONFIG, overrides)
+    datasets = None
+    if loader == "ray":
+        datasets = {k: v.iterator() for k, v in ingest.read_datasets(cfg, job, "train").items()}
+    run_dir = workdir / loader
+    trainer = Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), run_dir, data, LocalReporter(run_dir), datasets)
+    trainer._setup()
+    return trainer
+
+
+def batches(trainer: Trainer) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless training batches, epoch after epoch, as the loop draws them."""
+    epoch = 0
+    while True:
+        yield from trainer._epoch_batches(epoch, 0)
+        epoch += 1
+
+
+def step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> None:
+    ctx = StepContext(epoch=0, step=0, training=True, config=trainer.cfg)
+    loss, _ = trainer.job.train_step(trainer.model, batch, ctx)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    trainer.optimizer.step()
+
+
+def delivery_rate(source: Iterator, steps: int) -> float:
+    next(source)
+    start = time.perf_counter()
+    for _ in range(steps):
+        next(source)
+    return steps / (time.perf_counter() - start)
+
+
+def consumption_rate(trainer: Trainer, batch: dict[str, torch.Tensor], steps: int) -> float:
+    step(trainer, batch)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(trainer, batch)
+    return steps / (time.perf_counter() - start)
+
+
+def stall_fraction(trainer: Trainer, source: Iterator, steps: int) -> float:
+    step(trainer, next(source))
+    waited, start = 0.0, time.perf_counter()
+    for _ in range(steps):
+        before = time.perf_counter()
+        batch = next(source)
+        waited += time.perf_counter() - before
+        step(trainer, batch)
+    return waited / (time.perf_counter() - start)
+
+
+def main() -> None:
+    import ray
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--images", type=int, default=200)
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
+    _, job = load_config(CONFIG, [])
+    job.synthesize(workdir / "mshnet", n=args.images, size=64, seed=0)
+    ingest.prepare(job, workdir / "mshnet", str(workdir / "parquet"))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+    rows = {}
+    for loader in ("torch", "ray"):
+        trainer = trainer_for(loader, workdir / "mshnet", workdir / "parquet", workdir)
+        source = batches(trainer)
+        delivered = delivery_rate(source, args.steps)
+        consumed = consumption_rate(trainer, next(source), args.steps)
+        stall = stall_fraction(trainer, source, args.steps)
+        rows[loader] = (delivered, consumed, stall)
+        rates = f"delivers {delivered:8.1f} batches/s  step consumes {consumed:6.1f} steps/s"
+        print(f"{loader:>5}: {rates}  stall {stall:.4f}")
+    ray.shutdown()
+    batch = trainer.cfg.data.global_batch_size
+    print(f"batch={batch} per worker, steps={args.steps}, images={args.images}, threads={torch.get_num_threads()}")
+    print(f"stall={max(stall for _, _, stall in rows.values()):.4f}")
+
+
+if __name__ == "__main__":
+    main()
