@@ -9,11 +9,14 @@ both built by the raytpu Trainer exactly as in training, measured side by side:
 * consumption: steps/s of the training step (forward, backward, optimizer) on a
   batch already in memory;
 * stall: the fraction of wall time spent waiting in ``next(batches)`` when the
-  two run together, as in training.
+  two run together, as in training, over ``--epochs`` whole epochs (each epoch's
+  start included).
 
 The last line is ``stall=<fraction>`` of the slower path; the target is below 0.05.
+``--materialize-mb 0`` makes the Ray Data path stream its train set from the
+parquet files every epoch instead of holding it in the object store.
 
-    python bench/ingest.py [--steps 30] [--images 200]
+    python bench/ingest.py [--steps 30] [--epochs 2] [--images 200] [--materialize-mb 1024]
 """
 
 from __future__ import annotations
@@ -38,13 +41,14 @@ from raytpu.runtime import make_runtime  # noqa: E402
 CONFIG = "jobs/mshnet/small.yaml"
 
 
-def trainer_for(loader: str, data: Path, parquet: Path, workdir: Path) -> Trainer:
+def trainer_for(loader: str, data: Path, parquet: Path, workdir: Path, materialize_mb: float) -> Trainer:
     """A one-worker Trainer with this worker's share of the small config's batch."""
     small, _ = load_config(CONFIG, [])
     per_worker = small.data.global_batch_size // small.scaling.num_workers
     path = parquet if loader == "ray" else data
     overrides = [f"data.path={path}", f"data.loader={loader}", "scaling.num_workers=1"]
     overrides += [f"data.global_batch_size={per_worker}", "logging.progress_bar=false", "logging.tensorboard=false"]
+    overrides += [f"data.materialize_mb={materialize_mb}"]
     cfg, job = load_config(CONFIG, overrides)
     datasets = None
     if loader == "ray":
@@ -99,13 +103,19 @@ def stall_fraction(trainer: Trainer, source: Iterator, steps: int) -> float:
 
 
 def main() -> None:
-    import ray
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--images", type=int, default=200)
+    parser.add_argument("--materialize-mb", type=float, default=1024)
     args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
+    with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
+        run(args, Path(tmp))
+
+
+def run(args: argparse.Namespace, workdir: Path) -> None:
+    import ray
+
     _, job = load_config(CONFIG, [])
     job.synthesize(workdir / "mshnet", n=args.images, size=64, seed=0)
     ingest.prepare(job, workdir / "mshnet", str(workdir / "parquet"))
@@ -113,17 +123,20 @@ def main() -> None:
 
     rows = {}
     for loader in ("torch", "ray"):
-        trainer = trainer_for(loader, workdir / "mshnet", workdir / "parquet", workdir)
+        trainer = trainer_for(loader, workdir / "mshnet", workdir / "parquet", workdir, args.materialize_mb)
         source = batches(trainer)
         delivered = delivery_rate(source, args.steps)
         consumed = consumption_rate(trainer, next(source), args.steps)
-        stall = stall_fraction(trainer, source, args.steps)
+        stall = stall_fraction(trainer, source, args.epochs * trainer.steps_per_epoch)
+        source.close()  # ends the Ray Data pass while Ray is still up
         rows[loader] = (delivered, consumed, stall)
         rates = f"delivers {delivered:8.1f} batches/s  step consumes {consumed:6.1f} steps/s"
-        print(f"{loader:>5}: {rates}  stall {stall:.4f}")
+        print(f"{loader:>5}: {rates}  stall {stall:.4f}", flush=True)
+    train = "materialized" if ingest.materialize_train(trainer.cfg, trainer.ray_data.prepared, "train") else "streamed"
     ray.shutdown()
-    batch = trainer.cfg.data.global_batch_size
-    print(f"batch={batch} per worker, steps={args.steps}, images={args.images}, threads={torch.get_num_threads()}")
+    batch, epoch = trainer.cfg.data.global_batch_size, trainer.steps_per_epoch
+    print(f"batch={batch} per worker, {epoch} steps an epoch, steps={args.steps}, epochs={args.epochs}, ", end="")
+    print(f"images={args.images}, ray train set {train}, threads={torch.get_num_threads()}")
     print(f"stall={max(stall for _, _, stall in rows.values()):.4f}")
 
 

@@ -76,6 +76,7 @@ class DataConfig:
     shuffle: bool = True
     prefetch_batches: int = 2  # data.loader=ray: batches each worker decodes ahead (in as many threads)
     shuffle_buffer: int = 0  # data.loader=ray: local shuffle buffer rows per worker (0 = 8 x per-worker batch)
+    materialize_mb: float = 1024  # data.loader=ray: a train set this small is read once, reshuffled each epoch
 
 
 @dataclass
@@ -363,6 +364,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be at least 1, got {value}")
     if cfg.data.prefetch_batches < 0 or cfg.data.shuffle_buffer < 0:
         raise ConfigError("data.prefetch_batches and data.shuffle_buffer must be at least 0")
+    if cfg.data.materialize_mb < 0:
+        raise ConfigError("data.materialize_mb must be at least 0 (0 = always stream the train set)")
     if not 0.0 <= cfg.loop.ema_beta < 1.0:
         raise ConfigError(f"loop.ema_beta must be in [0, 1), got {cfg.loop.ema_beta}")
 

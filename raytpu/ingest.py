@@ -11,8 +11,9 @@ While it writes, ``<out>/_raytpu_partial`` marks the folder as raytpu's and
 unfinished; a folder without the manifest is never read.
 
 The driver reads the tables with ``ray.data.read_parquet`` and hands them to
-``TorchTrainer(datasets=..., dataset_config=...)``: the train set is split over
-the workers (``streaming_split(equal=True)``), eval sets are read whole by
+``TorchTrainer(datasets=..., dataset_config=...)``: the train set (held in the
+object store and reshuffled globally each epoch when small, else streamed with
+its files shuffled) is split over the workers (``streaming_split(equal=True)``), eval sets are read whole by
 every worker, which keeps the rows ``id % workers == rank`` (the torch path's
 eval split, so metrics match it exactly). On a worker, :class:`RayData` gives
 one pass per epoch through ``iter_torch_batches`` (per-worker batch,
@@ -142,7 +143,7 @@ def write_table(fs: pafs.FileSystem, base: str, table: str, chunks: Iterable[Col
     """One parquet file per chunk; returns the table's manifest entry."""
     fs.create_dir(f"{base}/{table}", recursive=True)
     files: list[str] = []
-    rows = 0
+    rows = nbytes = 0
     shapes: dict[str, list[int]] = {}
     schema: dict[str, str] = {}
     for index, columns in enumerate(chunks):
@@ -151,8 +152,9 @@ def write_table(fs: pafs.FileSystem, base: str, table: str, chunks: Iterable[Col
         pq.write_table(arrow, f"{base}/{name}", filesystem=fs)
         files.append(name)
         rows += arrow.num_rows
+        nbytes += arrow.nbytes
         schema = {field.name: str(field.type) for field in arrow.schema}
-    return {"rows": rows, "files": files, "shapes": shapes, "schema": schema}
+    return {"rows": rows, "bytes": nbytes, "files": files, "shapes": shapes, "schema": schema}
 
 
 def to_arrow(columns: Columns) -> tuple[pa.Table, dict[str, list[int]]]:
@@ -207,6 +209,13 @@ class Prepared:
     def paths(self, name: str) -> list[str]:
         return [f"{self.base}/{file}" for file in self.table(name)["files"]]
 
+    def table_bytes(self, name: str) -> int:
+        """The table's size in memory (arrow bytes; the files' sizes for a manifest without it)."""
+        info = self.table(name)
+        if "bytes" in info:
+            return int(info["bytes"])
+        return sum(entry.size or 0 for entry in self.fs.get_file_info(self.paths(name)))
+
     def stats_root(self) -> Path:
         """A local folder holding the stats files (downloaded once when remote)."""
         if isinstance(self.fs, pafs.LocalFileSystem):
@@ -249,10 +258,12 @@ def prepared_location(cfg: Config, job: Job) -> str:
 def read_datasets(cfg: Config, job: Job, mode: str) -> dict[str, Any]:
     """The Ray Datasets of a run: ``train`` and ``valid``, or ``test``.
 
-    The train set streams (a fresh read per epoch, files shuffled). Eval sets are
-    materialized here, once, into the object store: every worker reads them
-    whole at every eval, and re-running the read tasks each time would cost
-    more than the eval itself on small sets.
+    Eval sets are materialized here, once, into the object store: every worker
+    reads them whole at every eval, and re-running the read tasks each time
+    would cost more than the eval itself on small sets. The train set is
+    materialized too when it is small (:func:`materialize_train`) and then
+    shuffled globally at every epoch (``random_shuffle``); a larger one streams
+    from storage, a fresh read per epoch with its files shuffled.
     """
     import ray.data
 
@@ -260,14 +271,32 @@ def read_datasets(cfg: Config, job: Job, mode: str) -> dict[str, Any]:
     splits = ("train", "valid") if mode == "train" else ("test",)
     datasets = {}
     for split in splits:
-        train = split == "train"
-        paths = prepared.paths(job.table_for_split(cfg, split))
-        dataset = ray.data.read_parquet(
-            paths, filesystem=prepared.fs, shuffle="files" if train and cfg.data.shuffle else None
-        )
+        table = job.table_for_split(cfg, split)
+        paths = prepared.paths(table)
+        if split != "train":
+            dataset = ray.data.read_parquet(paths, filesystem=prepared.fs).materialize()
+        elif materialize_train(cfg, prepared, table):
+            dataset = ray.data.read_parquet(paths, filesystem=prepared.fs).materialize()
+            dataset = dataset.random_shuffle() if cfg.data.shuffle else dataset
+        else:
+            shuffle = "files" if cfg.data.shuffle else None
+            dataset = ray.data.read_parquet(paths, filesystem=prepared.fs, shuffle=shuffle)
         dataset.context.enable_progress_bars = False  # per-operator bars on every worker flood the run's log
-        datasets[split] = dataset if train else dataset.materialize()
+        datasets[split] = dataset
     return datasets
+
+
+def materialize_train(cfg: Config, prepared: Prepared, table: str) -> bool:
+    """Whether the train set is read once into the object store: when it holds at most
+    ``data.materialize_mb`` and a quarter of the cluster's object store (an epoch's
+    shuffle holds a second copy). Each epoch then starts in milliseconds instead of
+    the ~1 s a streaming read takes to deliver its first block, which on small data
+    sets is a large share of an epoch."""
+    import ray
+
+    size = prepared.table_bytes(table)
+    store = ray.cluster_resources().get("object_store_memory", 0.0)
+    return size <= cfg.data.materialize_mb * 2**20 and size <= store / 4
 
 
 def dataset_config() -> Any:

@@ -35,6 +35,7 @@ def test_prepare_writes_one_table_per_split_with_ids_and_stats(native, tmp_path)
         assert read.column("id").to_pylist() == list(range(info["rows"]))
         assert all(pq.read_metadata(tmp_path / "pq" / f).num_rows <= 4 for f in info["files"])
         assert info["schema"]["id"] == "int64"
+        assert info["bytes"] == pytest.approx(read.nbytes, rel=0.1)  # in memory, as Ray holds it
     schema = manifest["tables"]["train"]["schema"]
     if job.name == "mshnet":
         assert schema["image"] == schema["mask"] == "binary"
@@ -118,3 +119,24 @@ def test_cli_prepare(tmp_path, capsys):
     assert "already prepared, unchanged" in capsys.readouterr().out
     assert cli.main(["data", "prepare", "mshnet", "--src", str(tmp_path / "none"), "--out", str(tmp_path / "x")]) == 2
     assert Path(tmp_path / "pq" / ingest.MANIFEST).is_file()
+
+
+def test_only_a_train_set_within_materialize_mb_and_a_quarter_of_the_object_store_is_materialized(
+    native, tmp_path, monkeypatch
+):
+    import ray
+
+    job, config, src = native
+    ingest.prepare(job, src, str(tmp_path / "pq"))
+    prepared = ingest.open_prepared(str(tmp_path / "pq"), job.name)
+    arrow = prepared.table_bytes("train")
+    del prepared.manifest["tables"]["train"]["bytes"]  # an older manifest: the files' sizes
+    size = prepared.table_bytes("train")
+    assert 0 < arrow / 2 <= size <= 2 * arrow
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"object_store_memory": 4.0 * size})
+    for limit, materialized in ((0, False), (size / 2**20, True), (size / 2**20 / 2, False)):
+        cfg, _ = load_config(config, [f"data.materialize_mb={limit}"])
+        assert ingest.materialize_train(cfg, prepared, "train") is materialized, limit
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"object_store_memory": 4.0 * size - 1})
+    cfg, _ = load_config(config, [])
+    assert not ingest.materialize_train(cfg, prepared, "train")

@@ -96,6 +96,9 @@ def test_both_paths_give_every_worker_the_same_steps_and_each_id_once_per_epoch(
                 seen += [i for batch in batches["ids"] for i in batch]
             assert len(seen) == len(set(seen)) == WORKERS * expected * BATCH, (loader, epoch)
             assert set(seen) <= set(range(SAMPLES)), loader
+        for record in records:  # a global reshuffle each epoch: a worker's samples change, not only their order
+            first, second = ({i for batch in e["ids"] for i in batch} for e in record[loader]["epochs"])
+            assert first != second, loader
 
 
 def mshnet(tmp_path: Path, name: str, *extra: str) -> tuple[Any, Any]:
@@ -178,6 +181,7 @@ def test_cdeit_trains_through_ray_data(ray_session, tmp_path):
             "job.synth_n_test=8",
             "loop.epochs=2",
             "data.global_batch_size=8",
+            "data.materialize_mb=0",  # the streaming read (the other tests' sets are small: materialized)
             "logging.progress_bar=false",
         ],
     )
