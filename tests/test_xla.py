@@ -66,6 +66,12 @@ def test_training_step_compiles_once_and_has_no_cpu_fallback(mesh_runs, mesh):
     assert report["compiles_after_warmup"] == 0, report
     assert report["fallbacks_after_warmup"] == [], report
     assert len(report["losses"]) == 6 and all(loss == loss for loss in report["losses"])  # read back by closures
+    assert report["input_sharding"].startswith(INPUT_SHARDING[mesh]), report
+    assert mesh != "single" or report["input_sharding"] == "", report
+
+
+#: how the step receives each batch tensor: whole on one device (no spec), or split 4 ways along the batch axis
+INPUT_SHARDING = {"single": "", "dp4": "{devices=[4,1,1,1]", "fsdp4": "{devices=[4,1,1,1]"}
 
 
 @pytest.mark.parametrize("mesh", ["dp4", "fsdp4"])
@@ -73,6 +79,22 @@ def test_sharded_runs_follow_the_single_device_loss_trajectory(mesh_runs, mesh):
     single, sharded = mesh_runs["single"]["losses"], mesh_runs[mesh]["losses"]
     assert sharded == pytest.approx(single, rel=LOSS_RTOL), (single, sharded)
     assert sharded != pytest.approx(single[::-1], rel=LOSS_RTOL)  # the trajectory is not flat: the check bites
+
+
+def test_ray_data_batches_feed_the_sharded_step_without_recompiles(irstd, mesh_runs, tmp_path):
+    """data.loader=ray on XLA: the worker's Ray Data batches go through MpDeviceLoader,
+    sharded over the 4-device mesh's batch axis, into the same compiled step."""
+    from raytpu import ingest
+    from raytpu.config import load_config
+
+    _, job = load_config(None, ["job.name=mshnet"])
+    ingest.prepare(job, irstd, str(tmp_path / "pq"))
+    report = probe(tmp_path / "pq", {"CPU_NUM_DEVICES": "4"}, "xla.spmd=true", "data.loader=ray")
+    assert report["devices"] == 4 and report["steps_checked"] == 3
+    assert report["input_sharding"] == mesh_runs["dp4"]["input_sharding"]  # as the torch path shards it
+    assert report["compiles_after_warmup"] == 0, report
+    assert report["fallbacks_after_warmup"] == [], report
+    assert len(report["losses"]) == 6 and all(loss == loss for loss in report["losses"])
 
 
 def test_recompile_guard_fails_a_strict_run(tmp_path):
