@@ -3,7 +3,7 @@
 MSHNet small data (synthetic, made here), one worker's share of the small
 config's global batch. For the torch DataLoader path (``data.loader=torch``) and
 the Ray Data path (``data.loader=ray``, parquet from ``raytpu data prepare``),
-both built by the raytpu Trainer exactly as in training, measured side by side:
+both built by ``raytpu.data.make_worker_data`` exactly as in training, measured side by side:
 
 * delivery: batches/s when the worker only iterates its batches;
 * consumption: steps/s of the training step (forward, backward, optimizer) on a
@@ -26,7 +26,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,15 +36,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raytpu import ingest  # noqa: E402
 from raytpu.config import load_config  # noqa: E402
+from raytpu.data import make_worker_data  # noqa: E402
 from raytpu.job import StepContext  # noqa: E402
-from raytpu.loop import LocalReporter, Trainer  # noqa: E402
+from raytpu.optim import build_optimizer  # noqa: E402
 from raytpu.runtime import make_runtime  # noqa: E402
 
 CONFIG = "jobs/mshnet/small.yaml"
 
 
-def trainer_for(loader: str, data: Path, parquet: Path, workdir: Path, materialize_mb: float) -> Trainer:
-    """A one-worker Trainer with this worker's share of the small config's batch."""
+@dataclass
+class Worker:
+    """One worker of the small config: its data (through ``raytpu.data``), model and optimizer."""
+
+    cfg: Any
+    job: Any
+    data: Any
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def worker_for(loader: str, data: Path, parquet: Path, materialize_mb: float) -> Worker:
+    """One worker with this worker's share of the small config's batch."""
     small, _ = load_config(CONFIG, [])
     per_worker = small.data.global_batch_size // small.scaling.num_workers
     path = parquet if loader == "ray" else data
@@ -53,26 +67,26 @@ def trainer_for(loader: str, data: Path, parquet: Path, workdir: Path, materiali
     datasets = None
     if loader == "ray":
         datasets = {k: v.iterator() for k, v in ingest.read_datasets(cfg, job, "train").items()}
-    run_dir = workdir / loader
-    trainer = Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), run_dir, data, LocalReporter(run_dir), datasets)
-    trainer._setup()
-    return trainer
+    runtime = make_runtime("cpu", "fp32", 1, 0, 0)
+    model = job.build_model(cfg)
+    worker_data = make_worker_data(cfg, job, runtime, data, datasets)
+    return Worker(cfg, job, worker_data, model, build_optimizer(cfg.optim, model.parameters()))
 
 
-def batches(trainer: Trainer) -> Iterator[dict[str, torch.Tensor]]:
+def batches(worker: Worker) -> Iterator[dict[str, torch.Tensor]]:
     """Endless training batches, epoch after epoch, as the loop draws them."""
     epoch = 0
     while True:
-        yield from trainer._epoch_batches(epoch, 0)
+        yield from worker.data.epoch(epoch, 0)
         epoch += 1
 
 
-def step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> None:
-    ctx = StepContext(epoch=0, step=0, training=True, config=trainer.cfg)
-    loss, _ = trainer.job.train_step(trainer.model, batch, ctx)
-    trainer.optimizer.zero_grad(set_to_none=True)
+def step(worker: Worker, batch: dict[str, torch.Tensor]) -> None:
+    ctx = StepContext(epoch=0, step=0, training=True, config=worker.cfg)
+    loss, _ = worker.job.train_step(worker.model, batch, ctx)
+    worker.optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    trainer.optimizer.step()
+    worker.optimizer.step()
 
 
 def delivery_rate(source: Iterator, steps: int) -> float:
@@ -83,22 +97,22 @@ def delivery_rate(source: Iterator, steps: int) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def consumption_rate(trainer: Trainer, batch: dict[str, torch.Tensor], steps: int) -> float:
-    step(trainer, batch)
+def consumption_rate(worker: Worker, batch: dict[str, torch.Tensor], steps: int) -> float:
+    step(worker, batch)
     start = time.perf_counter()
     for _ in range(steps):
-        step(trainer, batch)
+        step(worker, batch)
     return steps / (time.perf_counter() - start)
 
 
-def stall_fraction(trainer: Trainer, source: Iterator, steps: int) -> float:
-    step(trainer, next(source))
+def stall_fraction(worker: Worker, source: Iterator, steps: int) -> float:
+    step(worker, next(source))
     waited, start = 0.0, time.perf_counter()
     for _ in range(steps):
         before = time.perf_counter()
         batch = next(source)
         waited += time.perf_counter() - before
-        step(trainer, batch)
+        step(worker, batch)
     return waited / (time.perf_counter() - start)
 
 
@@ -123,18 +137,18 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
 
     rows = {}
     for loader in ("torch", "ray"):
-        trainer = trainer_for(loader, workdir / "mshnet", workdir / "parquet", workdir, args.materialize_mb)
-        source = batches(trainer)
+        worker = worker_for(loader, workdir / "mshnet", workdir / "parquet", args.materialize_mb)
+        source = batches(worker)
         delivered = delivery_rate(source, args.steps)
-        consumed = consumption_rate(trainer, next(source), args.steps)
-        stall = stall_fraction(trainer, source, args.epochs * trainer.steps_per_epoch)
+        consumed = consumption_rate(worker, next(source), args.steps)
+        stall = stall_fraction(worker, source, args.epochs * worker.data.batches_per_epoch())
         source.close()  # ends the Ray Data pass while Ray is still up
         rows[loader] = (delivered, consumed, stall)
         rates = f"delivers {delivered:8.1f} batches/s  step consumes {consumed:6.1f} steps/s"
         print(f"{loader:>5}: {rates}  stall {stall:.4f}", flush=True)
-    train = "materialized" if ingest.materialize_train(trainer.cfg, trainer.ray_data.prepared, "train") else "streamed"
+    train = "materialized" if ingest.materialize_train(worker.cfg, worker.data.prepared, "train") else "streamed"
     ray.shutdown()
-    batch, epoch = trainer.cfg.data.global_batch_size, trainer.steps_per_epoch
+    batch, epoch = worker.cfg.data.global_batch_size, worker.data.batches_per_epoch()
     print(f"batch={batch} per worker, {epoch} steps an epoch, steps={args.steps}, epochs={args.epochs}, ", end="")
     print(f"images={args.images}, ray train set {train}, threads={torch.get_num_threads()}")
     print(f"stall={max(stall for _, _, stall in rows.values()):.4f}")

@@ -20,9 +20,11 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from raytpu.callbacks import Callback  # noqa: E402
+from raytpu.checkpoint import LocalReporter  # noqa: E402
 from raytpu.config import load_config  # noqa: E402
 from raytpu.job import StepContext  # noqa: E402
-from raytpu.loop import LocalReporter, Trainer  # noqa: E402
+from raytpu.loop import Trainer  # noqa: E402
 from raytpu.optim import build_optimizer  # noqa: E402
 from raytpu.runtime import make_runtime  # noqa: E402
 
@@ -64,23 +66,29 @@ def bare_loop(cfg, job, data_root: Path, warmup: int, steps: int) -> float:
     return steps * cfg.data.global_batch_size / (time.perf_counter() - start)
 
 
+class StepTimer(Callback):
+    """Wall time of every training step, from its start to its graph having run: what the bare
+    loop measures (evaluations and checkpoints between steps are not steps)."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, float] = {}
+        self.seconds: dict[int, float] = {}
+
+    def on_step_start(self, trainer, step: int) -> None:
+        self.started[step] = time.perf_counter()
+
+    def on_step_end(self, trainer, step: int) -> None:
+        self.seconds[step] = time.perf_counter() - self.started[step]
+
+
 def raytpu_loop(cfg, job, data_root: Path, warmup: int, steps: int, runtime: str = "cpu") -> float:
     """The raytpu Trainer on ``runtime`` (fp32), samples/s over the steps after ``warmup``."""
     run_dir = Path(tempfile.mkdtemp(prefix="bench-loop-"))
     rt = make_runtime(runtime, "fp32", 1, 0, 0, cfg.xla)
-    trainer = Trainer(cfg, job, rt, run_dir, data_root, LocalReporter(run_dir))
-    marks: dict[int, float] = {}
-    after_step = trainer._after_step
-
-    def timed_step() -> None:
-        after_step()
-        marks[trainer.progress.step] = time.perf_counter()
-
-    trainer._after_step = timed_step
-    trainer.evaluate = lambda *a, **k: {}
-    trainer._checkpoint = lambda metrics: None
-    trainer.fit()
-    return steps * cfg.data.global_batch_size / (marks[warmup + steps] - marks[warmup])
+    timer = StepTimer()
+    Trainer(cfg, job, rt, run_dir, data_root, LocalReporter(run_dir), callbacks=[timer]).fit()
+    measured = [timer.seconds[step] for step in range(warmup + 1, warmup + steps + 1)]
+    return steps * cfg.data.global_batch_size / sum(measured)
 
 
 def main() -> None:

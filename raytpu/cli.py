@@ -7,22 +7,29 @@ non-zero exit, never as a traceback.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
-from raytpu.config import ConfigError, load_config, parse_value
+from raytpu.args import ConfigError, extract, parse_options, take_flag
+from raytpu.config import load_config
+from raytpu.errors import RunFailed
 from raytpu.job import load_job
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one ``raytpu: error:`` line (exit 2), not usage text."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see `{self.prog} --help`)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raytpu", description=__doc__.splitlines()[0])
+    parser = Parser(prog="raytpu", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     for name, text in (("train", "train a job (resumes a run of the same name)"), ("test", "evaluate a checkpoint")):
@@ -30,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("config", help="YAML config, e.g. jobs/mshnet/small.yaml")
         cmd.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray instance)")
         cmd.add_argument("--checkpoint", help="checkpoint dir or weights file (test; or initial weights for train)")
+        if name == "train":
+            cmd.add_argument("--local", action="store_true", help="run in local processes without Ray (see README)")
+        cmd.add_argument("--verbose", action="store_true", help="show Ray's own log lines too")
         cmd.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides and seed-script flags")
 
     data = sub.add_parser("data", help="make, inspect and convert data sets").add_subparsers(
@@ -57,28 +67,29 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides, --address URL, --no-wait")
 
     doctor = sub.add_parser("doctor", help="check versions, devices and the Ray cluster")
-    doctor.add_argument("--json", action="store_true")
-    doctor.add_argument("--address")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("--address", help="Ray cluster to check (default: RAY_ADDRESS)")
+    doctor.add_argument("--timeout", type=float, help="seconds per probe (default 30)")
+    doctor.add_argument("--probe-xla", action="store_true", help="ask torch_xla for its devices (in a subprocess)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # jobs outside the package load by dotted path, as with `python -m`
     try:
-        return dispatch(args)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        return dispatch(build_parser().parse_args(argv))
+    except (ConfigError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
         print(f"raytpu: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("raytpu: interrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
         return 130
     except Exception as exc:
-        from raytpu.launcher import RunFailed
-
         if isinstance(exc, RunFailed):
-            print(f"raytpu: error: run failed: {exc}", file=sys.stderr)
+            if exc.details:
+                print(exc.details.rstrip(), file=sys.stderr)
+            print(f"raytpu: error: {exc}", file=sys.stderr)
             return EXIT_FAILED
         raise
 
@@ -99,16 +110,24 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "doctor":
         from raytpu import doctor
 
-        return doctor.main((["--json"] if args.json else []) + (["--address", args.address] if args.address else []))
+        options = (["--json"] if args.json else []) + (["--probe-xla"] if args.probe_xla else [])
+        options += (["--address", args.address] if args.address else []) + (
+            ["--timeout", str(args.timeout)] if args.timeout else []
+        )
+        return doctor.main(options)
     raise AssertionError(args.command)
 
 
 def run(args: argparse.Namespace) -> int:
     from raytpu import launcher
 
-    overrides = list(args.overrides)
-    args.address = take_flag(overrides, "--address") or args.address
-    args.checkpoint = take_flag(overrides, "--checkpoint") or args.checkpoint
+    switches = ["--local", "--verbose"] if args.command == "train" else ["--verbose"]
+    overrides, found = extract(list(args.overrides), valued=["--address", "--checkpoint"], switches=switches)
+    if args.verbose or "--verbose" in found:
+        overrides.append("logging.verbose=true")
+    local = getattr(args, "local", False) or "--local" in found
+    args.address = found.get("--address", [args.address])[0]
+    args.checkpoint = found.get("--checkpoint", [args.checkpoint])[0]
     if args.checkpoint:
         overrides.append(f"checkpoint.weights={args.checkpoint}")
     if args.command == "test":
@@ -119,21 +138,10 @@ def run(args: argparse.Namespace) -> int:
         metrics = launcher.test(cfg, job, args.address)
         print(json.dumps(metrics), flush=True)
         return 0
-    launcher.train(cfg, job, args.address)
+    if local and args.address:
+        raise ConfigError("--local runs without Ray: drop --address (or drop --local to use the cluster)")
+    launcher.train(cfg, job, args.address, local=local)
     return 0
-
-
-def take_flag(items: list[str], flag: str) -> str | None:
-    """Remove ``flag VALUE`` / ``flag=VALUE`` from ``items`` (argparse leaves them in the remainder)."""
-    for index, item in enumerate(items):
-        if item == flag and index + 1 < len(items):
-            value = items[index + 1]
-            del items[index : index + 2]
-            return value
-        if item.startswith(flag + "="):
-            del items[index]
-            return item.split("=", 1)[1]
-    return None
 
 
 def data_command(args: argparse.Namespace) -> int:
@@ -143,49 +151,18 @@ def data_command(args: argparse.Namespace) -> int:
         out = take_flag(items, "--out") or args.out
         if not out:
             raise ValueError(f"data synth needs --out DIR, e.g. raytpu data synth {job.name} --out data/{job.name}")
-        options = parse_options(items)
-        check_options(job.synthesize, options)
+        options = parse_options(items, job.synthesize)
         job.synthesize(Path(out), **options)
         print(f"wrote a synthetic {job.name} data set to {out}")
         return 0
     if args.data_command == "stats":
-        stats = getattr(job, "compute_stats", None)
-        if stats is None:
-            raise ValueError(f"job {job.name!r} has no normalisation statistics to compute")
-        print(json.dumps(stats(args.data_path)))
+        print(json.dumps(job.compute_stats(args.data_path)))
         return 0
     if args.data_command == "prepare":
         from raytpu import ingest
 
         return ingest.prepare_command(job, args.src, args.out, args.rows_per_file)
     raise AssertionError(args.data_command)
-
-
-def parse_options(items: list[str]) -> dict[str, Any]:
-    """``["--n-train", "8", "--size=32"]`` -> ``{"n_train": 8, "size": 32}``."""
-    options: dict[str, Any] = {}
-    index = 0
-    while index < len(items):
-        item = items[index]
-        if not item.startswith("--"):
-            raise ValueError(f"unexpected argument {item!r}; options look like --name value")
-        key, sep, value = item[2:].partition("=")
-        if not sep:
-            if index + 1 >= len(items):
-                raise ValueError(f"option --{key} needs a value")
-            value = items[index + 1]
-            index += 1
-        options[key.replace("-", "_")] = parse_value(value)
-        index += 1
-    return options
-
-
-def check_options(fn: Any, options: dict[str, Any]) -> None:
-    accepted = [p for p in inspect.signature(fn).parameters if p not in ("self", "out")]
-    unknown = [k for k in options if k not in accepted]
-    if unknown:
-        flags = ", ".join("--" + p.replace("_", "-") for p in accepted)
-        raise ValueError(f"unknown option --{unknown[0].replace('_', '-')}; this job accepts {flags}")
 
 
 def one_line(exc: BaseException) -> str:

@@ -3,7 +3,8 @@
 A config file is YAML with one section per dataclass below plus ``job:`` (the
 job's own dataclass, selected by ``job.name``). Command-line overrides are
 ``section.key=value`` (values parsed as YAML) or a seed script's flag
-(``--batch-size 8``). Any unknown key fails with the closest valid keys.
+(``--batch-size 8``), read by ``raytpu.args``. Any unknown key fails with the
+closest valid keys.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ from typing import Any
 
 import yaml
 
+from raytpu.args import ConfigError, parse_overrides
 from raytpu.job import Job, JobConfig, load_job
-
-
-class ConfigError(ValueError):
-    """A user error in a config file or override: the message says what to fix."""
+from raytpu.validation import validate
 
 
 @dataclass
@@ -101,6 +100,7 @@ class LoopConfig:
     ema_every: int = 1
     log_every: int = 10
     eval_every_epochs: int = 1
+    sync_batchnorm: str = "auto"  # auto | true | false: BatchNorm statistics over the global batch (see README)
     stop_on_nonfinite: bool = True
     grad_norm_warn_high: float = 1e3
     grad_norm_warn_low: float = 1e-7
@@ -121,6 +121,7 @@ class LoggingConfig:
     tensorboard: bool = True
     progress_bar: bool = True
     eval_images: int = 4  # images per eval written to TensorBoard (0 = none)
+    verbose: bool = False  # show Ray's own INFO lines (reports, checkpoints, scheduling) too
 
 
 @dataclass
@@ -174,7 +175,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} not found; pass a YAML file such as jobs/mshnet/small.yaml")
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml(path)
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     job_section = raw.get("job") or {}
@@ -189,8 +190,20 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     cfg = build_dataclass(Config, raw, "", {"job": job.config_class})
     for key, value in pairs:
         set_dotted(cfg, key, value)
-    validate(cfg)
+    validate(cfg, job)
     return cfg, job
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's content; a syntax error names the file, line and column."""
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: YAML syntax error: {exc.problem or exc.context}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: YAML syntax error: {' '.join(str(exc).split())}") from exc
 
 
 def job_aliases_for(raw: dict[str, Any], overrides: list[str]) -> dict[str, str]:
@@ -203,40 +216,6 @@ def job_aliases_for(raw: dict[str, Any], overrides: list[str]) -> dict[str, str]
     if name:
         aliases.update(load_job(str(name)).aliases)
     return aliases
-
-
-def parse_overrides(items: list[str], aliases: dict[str, str]) -> list[tuple[str, Any]]:
-    """``["a.b=1", "--batch-size", "8", "--lr=0.1"]`` -> ``[("a.b", 1), ...]``."""
-    pairs: list[tuple[str, Any]] = []
-    index = 0
-    while index < len(items):
-        item = items[index]
-        index += 1
-        if item.startswith("--"):
-            flag, sep, value = item.partition("=")
-            if flag not in aliases:
-                close = difflib.get_close_matches(flag, [a for a in aliases if a.startswith("--")], n=3)
-                hint = f"; did you mean {', '.join(close)}?" if close else ""
-                raise ConfigError(f"unknown flag {flag}{hint}")
-            if not sep:
-                if index >= len(items):
-                    raise ConfigError(f"flag {flag} needs a value")
-                value = items[index]
-                index += 1
-            pairs.append((aliases[flag], parse_value(value)))
-        elif "=" in item:
-            key, value = item.split("=", 1)
-            pairs.append((aliases.get(key, key), parse_value(value)))
-        else:
-            raise ConfigError(f"override {item!r} is not key=value (e.g. optim.lr=0.01)")
-    return pairs
-
-
-def parse_value(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
 
 
 def build_dataclass(cls: type, raw: Any, prefix: str, substitutions: dict[str, type] | None = None) -> Any:
@@ -286,6 +265,8 @@ def coerce(value: Any, field_type: Any, key: str) -> Any:
     if field_type is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if field_type is str:
+        if isinstance(value, bool):
+            return "true" if value else "false"  # YAML reads an unquoted true/false as a bool
         return "" if value is None else str(value)
     if field_type is float and isinstance(value, str):
         try:
@@ -330,57 +311,6 @@ def set_dotted(cfg: Config, key: str, value: Any) -> None:
             raise ConfigError("job.name cannot change the job of a config file; use another config")
         return
     setattr(target, name, coerce(value, field_type, key))
-
-
-# ------------------------------------------------------------------- checks
-def validate(cfg: Config) -> None:
-    choices = {
-        "run.mode": (cfg.run.mode, ("train", "test")),
-        "scaling.runtime": (cfg.scaling.runtime, ("auto", "cpu", "cuda", "xla")),
-        "scaling.precision": (cfg.scaling.precision, ("auto", "fp32", "bf16", "fp16")),
-        "scaling.tpu.layout": (cfg.scaling.tpu.layout, ("spmd", "multiprocess")),
-        "data.loader": (cfg.data.loader, ("torch", "ray")),
-        "optim.name": (cfg.optim.name, ("adagrad", "adam", "adamw", "sgd")),
-        "optim.scheduler": (cfg.optim.scheduler, ("constant", "cosine", "linear", "poly")),
-        "tune.scheduler": (cfg.tune.scheduler, ("asha", "fifo")),
-        "tune.mode": (cfg.tune.mode, ("", "max", "min")),
-        "tune.lr_scaling": (cfg.tune.lr_scaling, ("none", "linear", "sqrt")),
-    }
-    for key, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
-    positive = {
-        "scaling.num_workers": cfg.scaling.num_workers,
-        "data.global_batch_size": cfg.data.global_batch_size,
-        "loop.grad_accum": cfg.loop.grad_accum,
-        "loop.log_every": cfg.loop.log_every,
-        "loop.ema_every": cfg.loop.ema_every,
-        "checkpoint.num_to_keep": cfg.checkpoint.num_to_keep,
-        "tune.num_samples": cfg.tune.num_samples,
-        "tune.grace_period": cfg.tune.grace_period,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be at least 1, got {value}")
-    if cfg.data.prefetch_batches < 0 or cfg.data.shuffle_buffer < 0:
-        raise ConfigError("data.prefetch_batches and data.shuffle_buffer must be at least 0")
-    if cfg.data.materialize_mb < 0:
-        raise ConfigError("data.materialize_mb must be at least 0 (0 = always stream the train set)")
-    if not 0.0 <= cfg.loop.ema_beta < 1.0:
-        raise ConfigError(f"loop.ema_beta must be in [0, 1), got {cfg.loop.ema_beta}")
-
-
-def per_worker_batch(
-    global_batch: int, data_parallel: int, grad_accum: int = 1, what: str = "data.global_batch_size"
-) -> int:
-    """Split a global batch: it must be divisible by data-parallel size x accumulation steps."""
-    share = data_parallel * grad_accum
-    if global_batch % share:
-        raise ConfigError(
-            f"{what}={global_batch} is not divisible by {data_parallel} data-parallel workers x {grad_accum} "
-            f"accumulation steps; use a multiple of {share}"
-        )
-    return global_batch // share
 
 
 # --------------------------------------------------------------------- dump

@@ -16,11 +16,14 @@ import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
+
+if TYPE_CHECKING:  # config.py imports this module; the type is only for readers and checkers
+    from raytpu.config import Config
 
 Batch = dict[str, torch.Tensor]
 #: a chunk of records as columns: 1-D arrays, (n, *shape) arrays for fixed-shape tensors, or lists of bytes/str
@@ -36,7 +39,7 @@ class JobConfig:
     Jobs subclass it and add their own fields (model size, augmentation, ...).
     """
 
-    name: str = "mshnet"
+    name: str = ""
 
 
 @dataclass
@@ -44,10 +47,11 @@ class StepContext:
     """What a step may depend on besides the batch. Plain Python values only,
     so that on XLA a change of value is a (bounded) graph change, never a sync."""
 
-    epoch: int
+    epoch: int  # training: the step's epoch; eval of valid: the epoch whose training made the weights
     step: int
     training: bool
-    config: Any = None  # the run's full Config (static for the whole run)
+    config: Config | None = None  # the run's full config (static for the whole run)
+    split: str = "train"  # train, valid or test
 
 
 class Job:
@@ -58,16 +62,18 @@ class Job:
     #: metric used to keep the best checkpoint, as reported by :meth:`finish_eval`
     main_metric: ClassVar[str] = "loss"
     main_metric_mode: ClassVar[str] = "min"
-    #: DDP must look for parameters without gradient (e.g. heads skipped in warm-up)
-    find_unused_parameters: ClassVar[bool] = False
     #: seed-script flags accepted on the command line: flag -> dotted config key
     aliases: ClassVar[dict[str, str]] = {}
 
     # ----------------------------------------------------------------- build
-    def build_model(self, cfg: Any) -> nn.Module:
+    def check_config(self, cfg: Config) -> None:
+        """Reject job settings that cannot work (raise ``ValueError`` with the fix), on the
+        driver, before anything starts. The default accepts everything."""
+
+    def build_model(self, cfg: Config) -> nn.Module:
         raise NotImplementedError
 
-    def build_dataset(self, cfg: Any, split: str, data_root: Path) -> Dataset:
+    def build_dataset(self, cfg: Config, split: str, data_root: Path) -> Dataset:
         """Map-style dataset for ``split`` in ``{"train", "valid", "test"}``.
 
         Items are dicts of tensors with fixed shapes per split. If the dataset
@@ -80,7 +86,12 @@ class Job:
         """Write a small data set in the job's native layout under ``out``."""
         raise NotImplementedError(f"job {self.name!r} has no synthetic data generator")
 
-    def synth_options(self, cfg: Any) -> dict[str, Any]:
+    def compute_stats(self, root: Path) -> dict[str, Any]:
+        """``raytpu data stats``: (re)compute the normalisation statistics of the data at ``root``
+        from its train split and return a summary; jobs without statistics keep this default."""
+        raise ValueError(f"job {self.name!r} has no normalisation statistics to compute")
+
+    def synth_options(self, cfg: Config) -> dict[str, Any]:
         """Options for :meth:`synthesize` when the config asks to synthesize missing data."""
         return {}
 
@@ -94,7 +105,7 @@ class Job:
         """Tables ``raytpu data prepare`` can write from the native data under ``src``."""
         raise NotImplementedError(f"job {self.name!r} cannot be prepared for data.loader=ray")
 
-    def table_for_split(self, cfg: Any, split: str) -> str:
+    def table_for_split(self, cfg: Config, split: str) -> str:
         """The prepared table that serves ``split`` (``train``, ``valid``, ``test``)."""
         return split
 
@@ -107,7 +118,7 @@ class Job:
         """
         raise NotImplementedError(f"job {self.name!r} cannot be prepared for data.loader=ray")
 
-    def batch_decoder(self, cfg: Any, split: str, stats_root: Path) -> BatchDecoder:
+    def batch_decoder(self, cfg: Config, split: str, stats_root: Path) -> BatchDecoder:
         """A function ``(columns, epoch) -> batch`` giving the same tensors as stacking
         ``build_dataset(cfg, split, ...)[id]`` after ``set_epoch(epoch)``; ``stats_root``
         holds :attr:`stats_files`."""
@@ -129,11 +140,22 @@ class Job:
         """Turn summed statistics into the reported metrics."""
         raise NotImplementedError
 
+    def unused_parameters(self, cfg: Config, epoch: int) -> bool:
+        """Whether some parameters get no gradient in ``epoch`` (heads a warm-up skips): DDP then
+        has to look for them, which it is asked to do in those epochs only."""
+        return False
+
+    def counts_for_best(self, cfg: Config, epoch: int) -> bool:
+        """Whether an evaluation of weights trained up to ``epoch`` may be chosen as the best
+        checkpoint (a job whose early phase trains another output, like MSHNet's warm-up, says
+        no for it: those evaluations are logged, never the best)."""
+        return True
+
     def eval_images(self, model: nn.Module, batch: Batch, ctx: StepContext) -> dict[str, torch.Tensor]:
         """Optional images for TensorBoard at eval: name -> (N, C, H, W) in [0, 1]."""
         return {}
 
-    def test(self, model: nn.Module, cfg: Any, run_dir: Path, data_root: Path) -> dict[str, float]:
+    def test(self, model: nn.Module, cfg: Config, run_dir: Path, data_root: Path) -> dict[str, float]:
         """Optional job-specific test mode, run on rank 0 (e.g. a diffusion sampler).
 
         Jobs that do not override it are tested by evaluating the test split

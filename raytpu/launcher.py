@@ -7,17 +7,23 @@ resources and resolved on the workers.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
+import logging
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytpu.config import Config, ConfigError, dump_yaml, per_worker_batch, to_dict
+from raytpu import preflight
+from raytpu.config import Config, ConfigError, dump_yaml, to_dict
+from raytpu.errors import RunFailed
 from raytpu.job import Job
 from raytpu.runtime import pick_runtime
 from raytpu.tpu import check_num_workers, slice_spec, workers_for_layout
+from raytpu.worker import WorkerPayload
 
 os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
 
@@ -61,19 +67,50 @@ def run_dir(cfg: Config) -> Path:
 
 
 # --------------------------------------------------------------------- ray
-def connect(address: str | None, quiet: bool = False) -> None:
-    """Join the cluster at ``address`` / ``RAY_ADDRESS``, or start a local Ray instance."""
+def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> None:
+    """Join the cluster at ``address`` / ``RAY_ADDRESS``, or start a local Ray instance.
+
+    An address where nothing answers is refused at once (Ray itself would retry for minutes)."""
     import ray
 
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
+    check_reachable(address)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
     env["RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS"] = "0"
     kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": not quiet}
+    level = "INFO" if verbose else "WARNING"  # Ray's INFO lines (reports, checkpoints): --verbose only
+    kwargs.update(logging_level=getattr(logging, level), logging_config=ray.LoggingConfig(log_level=level))
     if address is None:
         print("raytpu: no Ray cluster given (--address / RAY_ADDRESS); starting a local Ray instance", flush=True)
-    ray.init(address=address, **kwargs)
+    try:
+        ray.init(address=address, **kwargs)
+    except ConnectionError as exc:
+        raise ConfigError(f"cannot join a Ray cluster at {address!r}: {' '.join(str(exc).split())[:200]}") from exc
+
+
+def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """A one-line error unless something listens where ``address`` points (none, ``local`` and
+    ``auto`` need nothing: a local instance is started, or Ray finds the running one)."""
+    from raytpu.cluster import host_port, tcp_error
+
+    if address in (None, "local", "auto"):
+        return
+    if address.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"--address {address} is a dashboard address (for raytpu submit); to train on that cluster "
+            "give its GCS address HOST:6379 or ray://HOST:10001"
+        )
+    endpoint = host_port(address)
+    if endpoint is None:
+        raise ConfigError(f"--address {address!r} is not a Ray address (HOST:PORT, ray://HOST:PORT, auto or local)")
+    refused = tcp_error(*endpoint, timeout=timeout_s)
+    if refused:
+        raise ConfigError(
+            f"no Ray cluster answers at {address} ({refused}); start one with `ray start --head`, fix --address / "
+            "RAY_ADDRESS, or leave both unset to run on a local Ray instance"
+        )
 
 
 def cluster_runtime(requested: str) -> str:
@@ -86,35 +123,51 @@ def cluster_runtime(requested: str) -> str:
     return pick_runtime("auto", resources.get("TPU", 0) > 0, resources.get("GPU", 0) > 0)
 
 
-def build_trainer(cfg: Config, payload: dict[str, Any], name: str, callbacks: list[Any] | None = None) -> Any:
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+def worker_bundles(cfg: Config) -> list[preflight.Bundle]:
+    """One resource bundle per worker, as the run's ``TorchTrainer`` reserves them."""
+    return [preflight.worker_bundle(scaling_kwargs(cfg))] * cfg.scaling.num_workers
+
+
+def check_cluster_fits(cfg: Config) -> None:
+    """After connecting: the runtime resolved, a CPU left to Ray Data, and the workers checked against
+    the cluster (a demand it can never meet is a one-line error, not a wait)."""
+    cfg.scaling.runtime = cluster_runtime(cfg.scaling.runtime)
+    leave_cpu_for_ray_data(cfg)
+    what = f"{cfg.scaling.num_workers} {cfg.scaling.runtime} worker(s)"
+    preflight.check_fit(worker_bundles(cfg), what)
+
+
+def build_trainer(cfg: Config, payload: WorkerPayload, name: str, callbacks: list[Any] | None = None) -> Any:
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from raytpu.loop import train_worker_entry
+    from raytpu.worker import train_worker_entry
     from raytpu.xla_backend import torch_config
 
-    leave_cpu_for_ray_data(cfg)
     scaling = ScalingConfig(**scaling_kwargs(cfg))
-    mode = payload["mode"]
+    datasets = ray_datasets(cfg, payload.mode)
+    payload = dataclasses.replace(payload, datasets=sorted(datasets.get("datasets", {})))
     checkpoints = CheckpointConfig(
         num_to_keep=cfg.checkpoint.num_to_keep,
-        checkpoint_score_attribute="score" if mode == "train" else None,
-        checkpoint_score_order="max" if payload["main_metric_mode"] == "max" else "min",
+        checkpoint_score_attribute="score" if payload.mode == "train" else None,
+        checkpoint_score_order="max" if payload.main_metric_mode == "max" else "min",
     )
     run_config = RunConfig(
         name=name,
         storage_path=str(Path(cfg.run.storage_path).resolve()),
         checkpoint_config=checkpoints,
         failure_config=FailureConfig(max_failures=cfg.checkpoint.max_failures),
+        # Ray Train's own per-report, per-checkpoint and scheduling lines: shown with --verbose
+        logging_config=LoggingConfig(log_level="INFO" if cfg.logging.verbose else "WARNING"),
         callbacks=callbacks or [],
     )
     return TorchTrainer(
         train_worker_entry,
-        train_loop_config=payload,
+        train_loop_config=payload.as_dict(),
         scaling_config=scaling,
         torch_config=torch_config(cfg.scaling.runtime),
         run_config=run_config,
-        **ray_datasets(cfg, payload),
+        **datasets,
     )
 
 
@@ -131,7 +184,7 @@ def leave_cpu_for_ray_data(cfg: Config) -> None:
     would reserve every CPU (a 2-core machine with 2 workers), reserve less per worker."""
     import ray
 
-    if cfg.data.loader != "ray":
+    if cfg.data.loader != "ray" or cfg.scaling.cpus_per_worker < 1:
         return
     total = ray.cluster_resources().get("CPU", 0.0)
     spare = total - cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
@@ -146,16 +199,14 @@ def leave_cpu_for_ray_data(cfg: Config) -> None:
     cfg.scaling.cpus_per_worker = share
 
 
-def ray_datasets(cfg: Config, payload: dict[str, Any]) -> dict[str, Any]:
-    """``TorchTrainer`` arguments of the Ray Data path (none for data.loader=torch); the
-    workers learn the split names from ``payload["datasets"]``."""
+def ray_datasets(cfg: Config, mode: str) -> dict[str, Any]:
+    """``TorchTrainer`` arguments of the Ray Data path (none for data.loader=torch)."""
     if cfg.data.loader != "ray":
         return {}
     from raytpu import ingest
     from raytpu.job import load_job
 
-    datasets = ingest.read_datasets(cfg, load_job(cfg.job.name), payload["mode"])
-    payload["datasets"] = sorted(datasets)
+    datasets = ingest.read_datasets(cfg, load_job(cfg.job.name), mode)
     return {"datasets": datasets, "dataset_config": ingest.dataset_config()}
 
 
@@ -184,32 +235,100 @@ def scaling_kwargs(cfg: Config) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------- runs
-def train(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
-    """Train through Ray and print where everything is; returns a summary."""
-    per_worker_batch(cfg.data.global_batch_size, cfg.scaling.num_workers, cfg.loop.grad_accum)
-    data_root = resolve_data_root(cfg, job)
-    connect(address)
-    cfg.scaling.runtime = cluster_runtime(cfg.scaling.runtime)
-    directory = run_dir(cfg)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.yaml").write_text(dump_yaml(cfg))
-    payload = make_payload(cfg, job, directory, data_root, "train")
-    result = fit(build_trainer(cfg, payload, cfg.run.name))
-    best = result.get_best_checkpoint("score", payload["main_metric_mode"]) if result.best_checkpoints else None
-    summary = {
-        "run_dir": str(directory),
-        "tensorboard": str(directory / "tensorboard"),
-        "latest_checkpoint": result.checkpoint.path if result.checkpoint else None,
-        "best_checkpoint": best.path if best else None,
-        "metrics": {k: v for k, v in (result.metrics or {}).items() if "/" in k},
-    }
+def check_before_start(cfg: Config, job: Job, mode: str, address: str | None) -> Path:
+    """Everything checked on the driver before a worker starts or a file is written; the data root."""
+    check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
+    data_root = check_files(cfg, job, mode)
+    connect(address, quiet=mode == "test", verbose=cfg.logging.verbose)
+    check_cluster_fits(cfg)
+    return data_root
+
+
+def check_files(cfg: Config, job: Job, mode: str) -> Path:
+    """The checks that need no cluster: storage, weights, data (made first when the config says so)."""
+    preflight.check_storage(cfg)
+    preflight.check_weights(cfg)
+    data_root = resolve_data_root(cfg, job, synthesize=None if mode == "train" else False)
+    preflight.check_data(cfg, job, data_root, mode)
+    return data_root
+
+
+def local_runtime(requested: str) -> str:
+    """``auto`` resolved on this machine for ``--local`` (device files for a TPU, never torch_xla)."""
+    import torch
+
+    from raytpu.runtime import tpu_present
+
+    runtime = pick_runtime(requested, tpu_present(), torch.cuda.is_available())
+    if runtime == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("scaling.runtime=cuda but this machine has no GPU; use scaling.runtime=auto (or cpu)")
+    return runtime
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run ready to start: its folder, its Ray Train name and the workers' payload."""
+
+    directory: Path
+    name: str
+    payload: WorkerPayload
+
+
+def prepare_run(cfg: Config, job: Job, mode: str, address: str | None) -> RunPlan:
+    """The one driver preparation step of ``train`` and ``test`` (and, once per sweep, ``tune``):
+    every check, the cluster joined and the runtime resolved from it, paths made absolute, then
+    the run's folder with its saved config and the payload each worker receives."""
+    data_root = check_before_start(cfg, job, mode, address)
+    if mode == "train":
+        return stage_run(cfg, job, run_dir(cfg), data_root, cfg.run.name)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return stage_run(cfg, job, run_dir(cfg) / f"test-{stamp}", data_root, f"{cfg.run.name}/test-{stamp}", "test")
+
+
+def stage_run(cfg: Config, job: Job, directory: Path, data_root: Path, name: str, mode: str = "train") -> RunPlan:
+    """The run's folder (with ``config.yaml`` for training) and the workers' payload (a Tune trial
+    calls this alone: its sweep did the checks)."""
+    if mode == "train":
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.yaml").write_text(dump_yaml(cfg))
+    return RunPlan(directory, name, make_payload(cfg, job, directory, data_root, mode))
+
+
+def train(cfg: Config, job: Job, address: str | None = None, local: bool = False) -> dict[str, Any]:
+    """Train through Ray (or, with ``local``, in local processes) and print where everything is;
+    returns a summary."""
+    summary = train_local(cfg, job) if local else train_on_ray(cfg, job, address)
     print(f"run directory:     {summary['run_dir']}")
-    print(f"config:            {directory / 'config.yaml'}")
+    print(f"config:            {Path(summary['run_dir']) / 'config.yaml'}")
     print(f"tensorboard:       tensorboard --logdir {summary['tensorboard']}")
     print(f"latest checkpoint: {summary['latest_checkpoint']}")
     print(f"best checkpoint:   {summary['best_checkpoint']}")
     print("final metrics:     " + json.dumps(summary["metrics"]), flush=True)
     return summary
+
+
+def train_on_ray(cfg: Config, job: Job, address: str | None) -> dict[str, Any]:
+    plan = prepare_run(cfg, job, "train", address)
+    result = fit(build_trainer(cfg, plan.payload, plan.name))
+    best = result.get_best_checkpoint("score", plan.payload.main_metric_mode) if result.best_checkpoints else None
+    return {
+        "run_dir": str(plan.directory),
+        "tensorboard": str(plan.directory / "tensorboard"),
+        "latest_checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "best_checkpoint": best.path if best else None,
+        "metrics": {k: v for k, v in (result.metrics or {}).items() if "/" in k},
+    }
+
+
+def train_local(cfg: Config, job: Job) -> dict[str, Any]:
+    """``raytpu train --local``: the checks, then ``raytpu.local`` (no Ray)."""
+    from raytpu import local
+
+    local.check_local(cfg)
+    data_root = check_files(cfg, job, "train")
+    cfg.scaling.runtime = local_runtime(cfg.scaling.runtime)
+    absolute_paths(cfg)
+    return local.train(cfg, job, data_root, run_dir(cfg))
 
 
 def test(cfg: Config, job: Job, address: str | None = None) -> dict[str, float]:
@@ -218,31 +337,23 @@ def test(cfg: Config, job: Job, address: str | None = None) -> dict[str, float]:
         raise ConfigError(
             "test mode needs weights: pass --checkpoint PATH (or --weight-path / checkpoint.weights=PATH)"
         )
-    if not Path(cfg.checkpoint.weights).exists():
-        raise ConfigError(f"checkpoint {cfg.checkpoint.weights!r} not found; pass the path printed by `raytpu train`")
-    data_root = resolve_data_root(cfg, job, synthesize=False)
-    connect(address, quiet=True)
-    cfg.scaling.runtime = cluster_runtime(cfg.scaling.runtime)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    directory = run_dir(cfg) / f"test-{stamp}"
-    payload = make_payload(cfg, job, directory, data_root, "test")
-    result = fit(build_trainer(cfg, payload, f"{cfg.run.name}/test-{stamp}"))
+    plan = prepare_run(cfg, job, "test", address)
+    result = fit(build_trainer(cfg, plan.payload, plan.name))
     metrics_file = Path(result.checkpoint.path) / "test_metrics.json"
     return json.loads(metrics_file.read_text())
 
 
-def make_payload(cfg: Config, job: Job, directory: Path, data_root: Path, mode: str) -> dict[str, Any]:
+def absolute_paths(cfg: Config) -> None:
+    """Paths the workers read, made absolute: they run in another directory."""
     if cfg.checkpoint.weights and Path(cfg.checkpoint.weights).exists():
-        cfg.checkpoint.weights = str(Path(cfg.checkpoint.weights).resolve())  # workers run in another directory
+        cfg.checkpoint.weights = str(Path(cfg.checkpoint.weights).resolve())
     if cfg.xla.compile_cache not in ("", "none"):
         cfg.xla.compile_cache = str(Path(cfg.xla.compile_cache).resolve())
-    return {
-        "config": to_dict(cfg),
-        "run_dir": str(directory),
-        "data_root": str(data_root),
-        "mode": mode,
-        "main_metric_mode": job.main_metric_mode,
-    }
+
+
+def make_payload(cfg: Config, job: Job, directory: Path, data_root: Path, mode: str) -> WorkerPayload:
+    absolute_paths(cfg)
+    return WorkerPayload(to_dict(cfg), str(directory), str(data_root), mode, job.main_metric_mode)
 
 
 def fit(trainer: Any) -> Any:
@@ -251,21 +362,21 @@ def fit(trainer: Any) -> Any:
     try:
         return trainer.fit()
     except TrainingFailedError as exc:
-        raise RunFailed(root_cause(exc)) from exc
+        summary, details = root_cause(exc)
+        raise RunFailed(summary, details) from exc
 
 
-class RunFailed(RuntimeError):
-    """A training run failed on a worker; the message is the worker's error."""
-
-
-def root_cause(exc: BaseException) -> str:
+def root_cause(exc: BaseException) -> tuple[str, str]:
+    """``("rank N: last line of the error", the failing rank's traceback)`` of a failed run."""
     failures = getattr(exc, "worker_failures", None)
     if failures:
         rank, error = sorted(failures.items())[0]
         cause = error
         while getattr(cause, "cause", None) is not None:
             cause = cause.cause
-        text = str(cause).strip().splitlines()
-        return f"worker {rank}: {text[-1] if text else type(cause).__name__}"
+        text = str(error).strip()
+        lines = str(cause).strip().splitlines()
+        return f"rank {rank}: {lines[-1] if lines else type(cause).__name__}", text
     controller = getattr(exc, "controller_failure", None)
-    return str(controller or exc).strip().splitlines()[-1]
+    text = str(controller or exc).strip()
+    return f"run failed: {text.splitlines()[-1] if text else type(exc).__name__}", text

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +80,3 @@ def watch_grad_norm(norm: float, step: int, high: float, low: float) -> str | No
     if norm < low:
         return f"step {step}: gradient norm {norm:.3g} < {low:g} (vanishing?); check the loss and the lr"
     return None
-
-
-def warn(text: str) -> None:
-    warnings.warn(text, stacklevel=2)

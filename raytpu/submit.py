@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from raytpu.cli import take_flag
+from raytpu.args import extract
 from raytpu.config import Config, load_config
 
 # Never uploaded with the working directory (gitignore syntax, relative to it): data sets,
@@ -51,10 +51,8 @@ class SubmitError(ValueError):
 
 def split_args(items: list[str]) -> tuple[str | None, bool, list[str]]:
     """``(address, wait, overrides)`` from what follows the config on the command line."""
-    items = list(items)
-    address = take_flag(items, "--address")
-    wait = "--no-wait" not in items
-    return address, wait, [item for item in items if item != "--no-wait"]
+    rest, found = extract(items, valued=["--address"], switches=["--no-wait"])
+    return found.get("--address", [None])[0], "--no-wait" not in found, rest
 
 
 def dashboard_url(address: str | None, environ: Mapping[str, str] = os.environ) -> str:

@@ -99,11 +99,6 @@ class SliceSpec:
         return GENERATIONS[self.generation].ray_type
 
     @property
-    def process_bounds(self) -> str:
-        """torch_xla's ``TPU_PROCESS_BOUNDS`` for one process per chip: the chip grid as ``x,y,z``."""
-        return ",".join(str(d) for d in _bounds3(self.topology))
-
-    @property
     def multi_host(self) -> bool:
         return self.num_hosts > 1
 

@@ -14,23 +14,23 @@ import copy
 import csv
 import json
 import math
-import re
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ray.tune import Callback
 
-from raytpu.config import Config, ConfigError, dump_yaml, from_dict, load_config, per_worker_batch, set_dotted, to_dict
+from raytpu import preflight
+from raytpu.args import extract
+from raytpu.config import Config, ConfigError, dump_yaml, from_dict, load_config, set_dotted, to_dict
 from raytpu.job import Job
+from raytpu.search import Search, parse_search, searches_of
 
-#: domain name -> number of arguments (None = one or more)
-DOMAINS: dict[str, int | None] = {"choice": None, "grid": None, "uniform": 2, "loguniform": 2, "randint": 2}
-
-#: CPU the trial's driver asks for: it only waits on its TorchTrainer (Tune refuses 0)
-DRIVER_CPU = 0.01
+#: what a trial's driver reserves: no CPU (it only waits on its TorchTrainer, whose workers need
+#: the CPUs: with any CPU here, 2 workers x 1 CPU never fit a 2-CPU machine) and 1 MiB of memory,
+#: because Tune refuses a trial that reserves nothing at all
+DRIVER_RESOURCES = {"CPU": 0.0, "memory": float(2**20)}
 #: the loop's cumulative report counter: ASHA's time unit, unlike Tune's
 #: ``training_iteration`` it does not restart when a resumed trial reruns its driver
 REPORT_COUNT = "report"
@@ -48,109 +48,6 @@ FLAGS = {
     "--grace-period": "tune.grace_period",
     "--reduction-factor": "tune.reduction_factor",
 }
-
-
-# ------------------------------------------------------------------ search
-@dataclass(frozen=True)
-class Search:
-    """One searched key: ``optim.lr=loguniform(1e-4, 1e-1)``."""
-
-    key: str
-    kind: str
-    args: tuple[Any, ...]
-
-    def domain(self) -> Any:
-        from ray import tune
-
-        if self.kind == "choice":
-            return tune.choice(list(self.args))
-        if self.kind == "grid":
-            return tune.grid_search(list(self.args))
-        if self.kind == "uniform":
-            return tune.uniform(*self.args)
-        if self.kind == "loguniform":
-            return tune.loguniform(*self.args)
-        return tune.randint(*self.args)
-
-    def candidates(self) -> list[Any]:
-        """Values to check against the config before any trial starts."""
-        if self.kind in ("choice", "grid"):
-            return list(self.args)
-        if self.kind == "randint":
-            return [self.args[0], self.args[1] - 1]
-        return [float(self.args[0]), float(self.args[1])]
-
-
-SEARCH_PATTERN = re.compile(r"^\s*([\w.]+)\s*=\s*(\w+)\s*\((.*)\)\s*$")
-
-
-def parse_search(text: str) -> Search:
-    """``"optim.lr=loguniform(1e-4,1e-1)"`` -> ``Search("optim.lr", "loguniform", (1e-4, 0.1))``."""
-    example = "e.g. --search 'optim.lr=loguniform(1e-4,1e-1)'"
-    match = SEARCH_PATTERN.match(text)
-    if not match:
-        raise ConfigError(f"search {text!r} is not key=domain(args); {example}")
-    key, kind, body = match.groups()
-    return make_search(key, kind, body, text)
-
-
-def make_search(key: str, kind: str, body: str, text: str) -> Search:
-    import yaml
-
-    if kind not in DOMAINS:
-        raise ConfigError(f"search {text!r}: unknown domain {kind!r}; use one of {', '.join(DOMAINS)}")
-    try:
-        args = yaml.safe_load(f"[{body}]")
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"search {text!r}: cannot read the arguments {body!r}") from exc
-    args = [float(a) if isinstance(a, str) and _is_number(a) else a for a in args]
-    arity = DOMAINS[kind]
-    if arity is None and not args:
-        raise ConfigError(f"search {text!r}: {kind}() needs at least one value")
-    if arity is not None:
-        if len(args) != arity or not all(_is_real(a) for a in args):
-            raise ConfigError(f"search {text!r}: {kind}() takes two numbers, lower and upper")
-        lower, upper = args
-        if not lower < upper:
-            raise ConfigError(f"search {text!r}: the lower bound must be below the upper bound")
-        if kind == "loguniform" and lower <= 0:
-            raise ConfigError(f"search {text!r}: loguniform() needs a positive lower bound")
-        if kind == "randint" and not all(isinstance(a, int) for a in args):
-            raise ConfigError(f"search {text!r}: randint() takes two integers (upper bound excluded)")
-    return Search(key, kind, tuple(args))
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def searches_of(cfg: Config) -> list[Search]:
-    """The config's ``tune.search`` mapping, parsed and checked against the config."""
-    if not cfg.tune.search:
-        raise ConfigError(
-            "nothing to search: pass --search 'optim.lr=loguniform(1e-4,1e-1)' (repeatable) or set tune.search"
-        )
-    searches = [parse_search(f"{key}={expr}") for key, expr in cfg.tune.search.items()]
-    for search in searches:
-        if search.key.startswith("tune.") or search.key in ("job.name", "run.name", "run.storage_path"):
-            raise ConfigError(f"search key {search.key!r} cannot be searched; search training settings")
-        for value in search.candidates():
-            probe = copy.deepcopy(cfg)
-            set_dotted(probe, search.key, value)
-            check_trial(probe)
-    return searches
-
-
-def check_trial(cfg: Config) -> None:
-    per_worker_batch(cfg.data.global_batch_size, cfg.scaling.num_workers, cfg.loop.grad_accum)
 
 
 # ------------------------------------------------------------------ trials
@@ -180,16 +77,13 @@ def run_trial(values: dict[str, Any], base: dict[str, Any], data_root: str, runs
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from raytpu.launcher import build_trainer, make_payload, run_dir
+    from raytpu.launcher import build_trainer, run_dir, stage_run
 
     cfg, job = trial_config(base, values)
     cfg.run.name = tune.get_context().get_trial_id()
     cfg.run.storage_path = runs_dir
-    directory = run_dir(cfg)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.yaml").write_text(dump_yaml(cfg))
-    payload = make_payload(cfg, job, directory, Path(data_root), "train")
-    build_trainer(cfg, payload, cfg.run.name, callbacks=[TuneReportCallback()]).fit()
+    plan = stage_run(cfg, job, run_dir(cfg), Path(data_root), cfg.run.name)
+    build_trainer(cfg, plan.payload, plan.name, callbacks=[TuneReportCallback()]).fit()
 
 
 def reports_per_trial(cfg: Config) -> int:
@@ -203,21 +97,21 @@ def reports_per_trial(cfg: Config) -> int:
     raise ConfigError("cannot tell how many reports a trial makes; set tune.max_t (reports per full trial)")
 
 
-def max_concurrent_trials(cfg: Config, cluster: dict[str, float]) -> int:
-    """Trials whose workers all fit in the cluster at once (at least one): Tune
-    does not reserve the workers of a trial, so more would wait on each other."""
-    from raytpu.launcher import scaling_kwargs
+def max_concurrent_trials(cfg: Config, nodes: list[dict[str, float]]) -> int:
+    """Trials whose workers all fit on the cluster's nodes at once (at least one). Tune does not
+    reserve the workers of a trial, so more trials would start drivers whose TorchTrainers wait on
+    each other for ever: a larger ``tune.max_concurrent`` is clamped to this, with a warning."""
+    from raytpu.launcher import worker_bundles
 
-    if cfg.tune.max_concurrent:
-        return cfg.tune.max_concurrent
-    scaling = scaling_kwargs(cfg)
-    per_worker = dict(scaling["resources_per_worker"])
-    if scaling["use_gpu"]:
-        per_worker.setdefault("GPU", 1.0)
-    need = {name: amount * scaling["num_workers"] for name, amount in per_worker.items() if amount > 0}
-    need["CPU"] = need.get("CPU", 0.0) + DRIVER_CPU
-    fits = [math.floor(cluster.get(name, 0.0) / amount) for name, amount in need.items()]
-    return max(1, min(fits, default=1))
+    fits = preflight.concurrent_fits(worker_bundles(cfg), nodes)
+    asked = cfg.tune.max_concurrent
+    if asked > fits:
+        print(
+            f"raytpu: warning: --max-concurrent {asked}: only {fits} trial(s) of {cfg.scaling.num_workers} "
+            f"worker(s) fit this cluster at once; running {fits} at a time, the rest queue",
+            flush=True,
+        )
+    return min(asked, fits) if asked else fits
 
 
 # ------------------------------------------------------------------ output
@@ -303,20 +197,16 @@ def run(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
     """Run (or resume) the sweep; write the table, ``results.csv`` and ``best.yaml``."""
     from ray import tune
 
-    from raytpu.launcher import cluster_runtime, connect, resolve_data_root
+    from raytpu.launcher import check_before_start
 
     searches = searches_of(cfg)
     sweep = Sweep(cfg, job, searches)
-    data_root = resolve_data_root(cfg, job)
+    data_root = check_before_start(cfg, job, "train", address)
     sweep.data_root = str(data_root)
-    connect(address)
-    import ray
-
-    cfg.scaling.runtime = cluster_runtime(cfg.scaling.runtime)
-    concurrent = max_concurrent_trials(cfg, ray.cluster_resources())
+    concurrent = max_concurrent_trials(cfg, preflight.read_cluster().nodes)
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, base=to_dict(cfg), data_root=str(data_root), runs_dir=str(sweep.dir / "runs")),
-        {"CPU": DRIVER_CPU},
+        DRIVER_RESOURCES,
     )
     tuner = make_tuner(sweep, trainable, concurrent)
     print(
@@ -432,33 +322,13 @@ def write_hparams(sweep: Sweep, rows: list[dict[str, Any]]) -> None:
 # -------------------------------------------------------------------- CLI
 def split_flags(overrides: list[str]) -> tuple[list[str], list[str], str | None]:
     """Pull the tune flags (and ``--address``) out of the overrides: (overrides, tune overrides, address)."""
-    rest: list[str] = []
-    tuned: list[str] = []
-    searches: dict[str, str] = {}
-    address = None
-    index = 0
-    while index < len(overrides):
-        item = overrides[index]
-        flag, sep, value = item.partition("=")
-        if flag in (*FLAGS, "--search", "--address"):
-            if not sep:
-                if index + 1 >= len(overrides):
-                    raise ConfigError(f"flag {flag} needs a value")
-                value = overrides[index + 1]
-                index += 1
-            if flag == "--search":
-                search = parse_search(value)
-                searches[search.key] = value.split("=", 1)[1].strip()
-            elif flag == "--address":
-                address = value
-            else:
-                tuned.append(f"{FLAGS[flag]}={value}")
-        else:
-            rest.append(item)
-        index += 1
+    rest, found = extract(overrides, valued=[*FLAGS, "--address"], repeated=["--search"], switches=["--verbose"])
+    tuned = [f"{FLAGS[flag]}={values[0]}" for flag, values in found.items() if flag in FLAGS]
+    tuned += ["logging.verbose=true"] if "--verbose" in found else []
+    searches = {parse_search(text).key: text.split("=", 1)[1].strip() for text in found.get("--search", [])}
     if searches:
         tuned.append("tune.search=" + json.dumps(searches))  # JSON is a YAML flow mapping
-    return rest, tuned, address
+    return rest, tuned, found.get("--address", [None])[0]
 
 
 def main(config_path: str, overrides: list[str]) -> int:

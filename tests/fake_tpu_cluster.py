@@ -66,7 +66,7 @@ def where_am_i(config: dict[str, Any]) -> None:
     }
     if config["layout"] == "multiprocess":  # raytpu's own per-chip setup: the env torch_xla would read
         from raytpu.config import from_dict
-        from raytpu.loop import configure_chip_process
+        from raytpu.worker import configure_chip_process
 
         cfg, _ = from_dict(config["config"])
         record["pjrt_env"] = configure_chip_process(cfg, record["rank"])
@@ -80,6 +80,7 @@ def run_layout(layout: str, out: Path) -> None:
 
     from raytpu.config import load_config, to_dict
     from raytpu.launcher import build_trainer
+    from raytpu.worker import WorkerPayload
 
     cfg, _ = load_config(
         "jobs/mshnet/small.yaml",
@@ -92,7 +93,8 @@ def run_layout(layout: str, out: Path) -> None:
             f"run.storage_path={out / 'results'}",
         ],
     )
-    raytpu_trainer = build_trainer(cfg, {"mode": "train", "main_metric_mode": "max"}, f"fake-tpu-{layout}")
+    payload = WorkerPayload(to_dict(cfg), str(out), str(out), "train", "max")
+    raytpu_trainer = build_trainer(cfg, payload, f"fake-tpu-{layout}")
     records = out / layout
     records.mkdir(parents=True)
     probe = TorchTrainer(

@@ -19,8 +19,9 @@ import torch
 
 from jobs.cdeit import reconstruction_metrics
 from jobs.cdeit.synth import synthesize
+from raytpu.checkpoint import LocalReporter
 from raytpu.config import load_config
-from raytpu.loop import LocalReporter, Trainer
+from raytpu.loop import Trainer
 from raytpu.runtime import make_runtime
 
 SHORT_RUN = [

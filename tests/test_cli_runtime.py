@@ -76,4 +76,4 @@ def test_relative_weights_path_reaches_workers_absolute(tmp_path, monkeypatch):
     (tmp_path / "ckpt").mkdir()
     cfg, job = load_config(SMALL, ["checkpoint.weights=ckpt"])
     payload = launcher.make_payload(cfg, job, tmp_path, tmp_path, "test")
-    assert payload["config"]["checkpoint"]["weights"] == str(tmp_path / "ckpt")
+    assert payload.config["checkpoint"]["weights"] == str(tmp_path / "ckpt")

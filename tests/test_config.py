@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from raytpu.config import ConfigError, dump_yaml, from_dict, load_config, parse_overrides, per_worker_batch, to_dict
+from raytpu.args import extract, parse_overrides
+from raytpu.config import ConfigError, dump_yaml, from_dict, load_config, to_dict
+from raytpu.validation import per_worker_batch
 
 
 def write(tmp_path, text: str):
@@ -38,7 +40,7 @@ def test_seed_script_flags_are_aliases(tmp_path):
         ("scaling.runtime=tpu", "scaling.runtime='tpu' is not one of auto, cpu, cuda, xla"),
         ("data.shuffle=maybe", "data.shuffle must be true or false"),
         ("nonsense", "is not key=value"),
-        ("data.prefetch_batches=-1", "data.prefetch_batches and data.shuffle_buffer must be at least 0"),
+        ("data.prefetch_batches=-1", "data.prefetch_batches must be at least 0, got -1"),
     ],
 )
 def test_bad_overrides_name_the_fix(tmp_path, override, message):
@@ -82,3 +84,16 @@ def test_shipped_configs_load():
     for path in ("jobs/mshnet/small.yaml", "jobs/mshnet/irstd1k.yaml"):
         cfg, job = load_config(path)
         assert job.name == "mshnet" and cfg.data.global_batch_size > 0
+
+
+def test_extract_takes_a_commands_own_options_out():
+    rest, found = extract(
+        ["a.b=1", "--address", "h:1", "--search=x=1", "--search", "y=2", "--no-wait", "--epochs", "2"],
+        valued=["--address"],
+        repeated=["--search"],
+        switches=["--no-wait"],
+    )
+    assert rest == ["a.b=1", "--epochs", "2"]
+    assert found == {"--address": ["h:1"], "--search": ["x=1", "y=2"], "--no-wait": []}
+    with pytest.raises(ConfigError, match="--address needs a value"):
+        extract(["--address"], valued=["--address"])

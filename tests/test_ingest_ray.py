@@ -25,7 +25,7 @@ def record_ids(payload: dict[str, Any]) -> None:
     import ray.train
 
     from raytpu.config import from_dict
-    from raytpu.loop import LocalReporter, Trainer
+    from raytpu.data import make_worker_data
     from raytpu.runtime import make_runtime
 
     context = ray.train.get_context()
@@ -37,11 +37,11 @@ def record_ids(payload: dict[str, Any]) -> None:
         cfg.data.loader = loader
         runtime = make_runtime("cpu", "fp32", world, rank, 0)
         run_dir = Path(payload["run_dir"])
-        trainer = Trainer(cfg, job, runtime, run_dir, run_dir, LocalReporter(run_dir), datasets)
-        per_epoch = trainer._setup_data()
+        data = make_worker_data(cfg, job, runtime, run_dir, datasets)
+        per_epoch = data.batches_per_epoch()
         epochs = []
         for epoch in range(EPOCHS):
-            batches = list(trainer._epoch_batches(epoch, 0))
+            batches = list(data.epoch(epoch, 0))
             ids, shapes = [b["index"].tolist() for b in batches], [list(b["x"].shape) for b in batches]
             epochs.append({"ids": ids, "shapes": shapes})
         record[loader] = {"per_epoch": per_epoch, "epochs": epochs}
@@ -135,7 +135,8 @@ def test_resume_from_a_mid_epoch_checkpoint_restarts_that_epoch_pass(ray_session
     """In-process, one worker: the failure at step 13 leaves the step-10 checkpoint (epoch 1,
     2 of 8 steps done); the resumed run draws a fresh pass of epoch 1, drops its first 2
     batches, and ends like an uninterrupted run: step 24, epoch 3, 8 steps an epoch."""
-    from raytpu.loop import LocalReporter, Trainer
+    from raytpu.checkpoint import LocalReporter
+    from raytpu.loop import Trainer
     from raytpu.runtime import make_runtime
 
     cfg, job = load_config(None, ["job.name=tests.toy_job", f"data.path={tmp_path / 'pq'}", "data.loader=ray"])

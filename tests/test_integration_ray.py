@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from raytpu import launcher
+from raytpu import cli, launcher
 from raytpu.config import load_config
 
 pytestmark = pytest.mark.integration
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 TINY = [
     "job.base_size=64",
     "job.crop_size=64",
-    "job.warm_epoch=1",
+    "job.warm_epoch=0",  # epoch 0 warms up (the level-0 head), the fused output trains from epoch 1
     "job.synth_n=40",
     "job.synth_size=64",
     "scaling.num_workers=2",
@@ -50,7 +50,7 @@ def scalars(run_dir: Path, tag: str) -> list[float]:
 
 
 def test_mshnet_trains_on_two_workers_and_tests(ray_session, tmp_path, capsys):
-    cfg, job = configure(tmp_path, "two-workers", "loop.epochs=4", "job.warm_epoch=0")
+    cfg, job = configure(tmp_path, "two-workers", "loop.epochs=4", "job.warm_epoch=-1")
     summary = launcher.train(cfg, job)
     run_dir = Path(summary["run_dir"])
     assert (run_dir / "config.yaml").is_file()
@@ -69,11 +69,16 @@ def test_mshnet_trains_on_two_workers_and_tests(ray_session, tmp_path, capsys):
         assert metrics[f"test/{name}"] == pytest.approx(summary["metrics"][f"valid/{name}"], rel=1e-6, abs=1e-9)
 
 
-def test_interrupted_then_resumed_run_equals_uninterrupted(ray_session, tmp_path):
+def test_interrupted_then_resumed_run_equals_uninterrupted(ray_session, tmp_path, capsys):
     common = ["loop.epochs=2", "checkpoint.every_steps=3"]
     straight = launcher.train(*configure(tmp_path, "straight", *common))
-    with pytest.raises(launcher.RunFailed, match="fault injected"):
-        launcher.train(*configure(tmp_path, "resumed", *common, "loop.fail_at_step=5"))
+    configure(tmp_path, "resumed")  # the data set
+    where = [f"data.path={tmp_path / 'data'}", f"run.storage_path={tmp_path / 'results'}", "run.name=resumed"]
+    capsys.readouterr()
+    code = cli.main(["train", "jobs/mshnet/small.yaml", *TINY, *where, *common, "loop.fail_at_step=5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and "Traceback" in "\n".join(err), err[-20:]  # the failing rank's traceback, then one line:
+    assert err[-1].startswith("raytpu: error: rank ") and "fault injected by loop.fail_at_step=5" in err[-1], err[-5:]
     resumed = launcher.train(*configure(tmp_path, "resumed", *common))
     first = load_file(Path(straight["latest_checkpoint"]) / "model.safetensors")
     second = load_file(Path(resumed["latest_checkpoint"]) / "model.safetensors")

@@ -9,9 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 from raytpu import checkpoint as ckpt
+from raytpu.checkpoint import LocalReporter
 from raytpu.config import ConfigError, load_config
-from raytpu.loop import LocalReporter, NonFiniteLossError, Trainer
+from raytpu.loop import NonFiniteLossError, Trainer
 from raytpu.runtime import make_runtime
+from tests.toy_job import ToyJob
 
 BASE = [
     "job.name=tests.toy_job",
@@ -124,3 +126,125 @@ def test_gradient_clipping_clips_and_reports_the_pre_clip_norm():
     after = torch.cat([p.grad.flatten() for p in params]).norm()
     torch.testing.assert_close(after, torch.tensor(1.0), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(clip_or_measure(params, 0.0), after)
+
+
+def test_an_epoch_checkpoint_without_an_eval_carries_no_score(tmp_path):
+    """eval_every_epochs=2 over 5 epochs: the checkpoints of epochs 1 and 3 have no eval, so they
+    report no validation metrics and the worst score (never the previous eval's), never the best."""
+    trainer = run(tmp_path, "loop.epochs=5", "loop.eval_every_epochs=2")
+    reports = trainer.reporter.reports
+    assert ["valid/mse" in r for r in reports] == [False, True, False, True, True]
+    assert reports[0]["score"] == reports[2]["score"] == 1e30  # min mode: the worst score
+    assert reports[1]["score"] == reports[1]["valid/mse"] and reports[2]["best"] == reports[1]["valid/mse"]
+
+
+@pytest.mark.parametrize(
+    "step, epoch_ended, epochs_done, expected",
+    [
+        (5, False, 0, (True, True)),
+        (4, False, 0, (False, False)),
+        (8, True, 1, (False, True)),
+        (16, True, 2, (True, True)),
+    ],
+)
+def test_cadence_decides_eval_and_checkpoint_in_one_place(step, epoch_ended, epochs_done, expected):
+    from raytpu.loop import Cadence
+
+    every_5 = Cadence(total_steps=24, every_steps=5, eval_every_epochs=1)
+    by_epoch = Cadence(total_steps=24, every_steps=0, eval_every_epochs=2)
+    cadence = every_5 if step in (4, 5) else by_epoch
+    assert cadence.decide(step, epoch_ended, epochs_done) == expected
+    assert by_epoch.decide(24, True, 3) == (True, True)  # the last step always evaluates and checkpoints
+
+
+class WarmupToyJob(ToyJob):
+    """The toy job with a warm-up: evaluations of epoch 0's weights do not count for best."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, str]] = []
+
+    def eval_step(self, model, batch, ctx):
+        self.seen.append((ctx.epoch, ctx.split))
+        return super().eval_step(model, batch, ctx)
+
+    def counts_for_best(self, cfg, epoch: int) -> bool:
+        return epoch >= 1
+
+
+@pytest.mark.parametrize("every_steps", [0, 4])
+def test_eval_gets_the_trained_epoch_and_warmup_evals_are_never_best(tmp_path, every_steps):
+    """8 steps per epoch, 2 eval batches: ctx.epoch is the epoch whose steps made the weights
+    (not the already incremented count at an epoch's end); epoch 0's evals score the worst."""
+    cfg, _ = load_config(None, BASE + ["loop.epochs=3", f"checkpoint.every_steps={every_steps}"])
+    job = WarmupToyJob()
+    reporter = LocalReporter(tmp_path)
+    trainer = Trainer(cfg, job, make_runtime("cpu", "auto", 1, 0, 0), tmp_path, tmp_path, reporter)
+    trainer.fit()
+    evals = [0, 1, 2] if not every_steps else [0, 0, 1, 1, 2, 2]  # every 4 steps: at 4, 8, ..., 24
+    assert job.seen == [(epoch, "valid") for epoch in evals for _ in range(2)]
+    reports = reporter.reports
+    warmup = [r for r, epoch in zip(reports, evals) if epoch == 0]
+    counted = [r for r, epoch in zip(reports, evals) if epoch >= 1]
+    assert warmup and all(r["score"] == 1e30 and r["best"] == 1e30 for r in warmup)
+    assert all(r["score"] == r["valid/mse"] for r in counted)
+    assert trainer.progress.best == min(r["valid/mse"] for r in counted) == reports[-1]["best"]
+
+    cfg.checkpoint.weights = str(reporter.latest_checkpoint())
+    job.seen.clear()
+    Trainer(cfg, job, make_runtime("cpu", "auto", 1, 0, 0), tmp_path, tmp_path, LocalReporter(tmp_path)).test()
+    assert {split for _, split in job.seen} == {"test"}
+
+
+def corrupt_truncated_weights(directory: Path) -> None:
+    weights = directory / ckpt.MODEL
+    weights.write_bytes(weights.read_bytes()[:100])
+
+
+def corrupt_meta(directory: Path) -> None:
+    (directory / ckpt.META).write_text("{not json")
+
+
+def remove_meta(directory: Path) -> None:
+    (directory / ckpt.META).unlink()
+
+
+@pytest.mark.parametrize("damage", [corrupt_truncated_weights, corrupt_meta, remove_meta])
+def test_resume_skips_a_damaged_newest_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path, capsys, damage):
+    schedule = ["loop.epochs=3", "checkpoint.every_steps=5", "checkpoint.num_to_keep=3"]
+    run(tmp_path / "straight", *schedule)
+    with pytest.raises(RuntimeError, match="fault injected"):
+        run(tmp_path / "broken", *schedule, "loop.fail_at_step=13")
+    newest = tmp_path / "broken" / "checkpoints" / "checkpoint_00000010"
+    damage(newest)
+    capsys.readouterr()
+    resumed = run(tmp_path / "broken", *schedule)
+    out = capsys.readouterr().out
+    assert f"warning: skipping checkpoint {newest}" in out and "resumed from" in out and "at step 5" in out
+    assert resumed.progress.step == 24
+    straight, again = final_weights(tmp_path / "straight"), final_weights(tmp_path / "broken")
+    for key in straight:
+        torch.testing.assert_close(again[key], straight[key], rtol=0, atol=0)
+
+
+def test_a_full_disk_names_the_path_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """ENOSPC while writing the second checkpoint (the tests run as root, so permissions cannot
+    fail): one clear error naming the path; the first checkpoint still loads."""
+    import errno
+
+    schedule = ["loop.epochs=2", "checkpoint.every_steps=4"]
+    written = {"count": 0}
+    real = ckpt.save_weights
+
+    def full_disk(path, state_dict):
+        written["count"] += 1
+        if written["count"] > 1:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, state_dict)
+
+    monkeypatch.setattr(ckpt, "save_weights", full_disk)
+    with pytest.raises(ckpt.CheckpointWriteError, match="No space left on device") as failure:
+        run(tmp_path, *schedule)
+    assert "model.safetensors" in str(failure.value) and "untouched" in str(failure.value)
+    kept = LocalReporter(tmp_path).latest_checkpoint()
+    assert kept is not None and kept.name == "checkpoint_00000004"
+    assert ckpt.load_model_weights(kept).keys() == final_weights(tmp_path).keys()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import jobs.mshnet as mshnet
+from jobs.mshnet import metrics
 from raytpu.config import load_config
 from raytpu.job import StepContext, load_job
 
@@ -36,7 +37,7 @@ def batch_of(cfg, split: str, size: int = 2) -> dict[str, torch.Tensor]:
 def test_job_is_registered_and_picklable():
     job = load_job("mshnet")
     assert job is mshnet.JOB and isinstance(pickle.loads(pickle.dumps(job)), mshnet.MSHNetJob)
-    assert (job.main_metric, job.main_metric_mode, job.find_unused_parameters) == ("mIoU", "max", True)
+    assert (job.main_metric, job.main_metric_mode) == ("mIoU", "max")
     assert job.config_class is mshnet.MSHNetConfig
 
 
@@ -54,7 +55,7 @@ def test_model_and_datasets(cfg):
     default = SimpleNamespace(job=mshnet.MSHNetConfig())
     assert sum(p.numel() for p in mshnet.JOB.build_model(default).parameters()) == 4_065_513
     with pytest.raises(ValueError, match="multiples of 16"):
-        mshnet.JOB.build_model(SimpleNamespace(job=mshnet.MSHNetConfig(crop_size=40)))
+        mshnet.JOB.check_config(SimpleNamespace(job=mshnet.MSHNetConfig(crop_size=40)))
     lengths = {split: len(mshnet.JOB.build_dataset(cfg, split, cfg.root)) for split in ("train", "valid", "test")}
     assert lengths == {"train": 8, "valid": 2, "test": 2}
     assert mshnet.JOB.build_dataset(cfg, "train", cfg.root).augment
@@ -63,15 +64,65 @@ def test_model_and_datasets(cfg):
         mshnet.JOB.build_dataset(cfg, "dev", cfg.root)
 
 
-def test_train_step_switches_phase_at_warm_epoch(cfg):
+def test_train_step_switches_phase_after_warm_epoch(cfg):
+    """As the authors' main.py: epochs 0..warm_epoch (here 0, 1, 2) train the level-0 head only."""
     model = mshnet.JOB.build_model(cfg)
     batch = batch_of(cfg, "train")
-    for epoch, warm in ((1, False), (2, True)):
+    for epoch, warm in ((0, False), (2, False), (3, True)):
         model.zero_grad(set_to_none=True)
         loss, extra = mshnet.JOB.train_step(model, batch, StepContext(epoch, 0, True, cfg))
         loss.backward()
         assert loss.shape == () and torch.isfinite(loss) and extra["loss"] is loss
         assert (model.final.weight.grad is not None) == warm
+        assert (model.output_1.weight.grad is not None) == warm
+
+
+class FlagRecorder(torch.nn.Module):
+    """Wraps the model and records the ``warm_flag`` of every forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.flags = model, []
+
+    def forward(self, x, warm_flag=True):
+        self.flags.append(warm_flag)
+        return self.model(x, warm_flag)
+
+
+def test_eval_scores_the_trained_head_and_only_post_warmup_evals_count_for_best(cfg):
+    """An eval after epoch e scores the level-0 head while e <= warm_epoch (2), the fused
+    output after; the test split always scores the fused output."""
+    model = FlagRecorder(mshnet.JOB.build_model(cfg).eval())
+    batch = batch_of(cfg, "valid")
+    cases = [(0, "valid", False), (2, "valid", False), (3, "valid", True), (0, "test", True), (9, "test", True)]
+    with torch.no_grad():
+        for epoch, split, fused in cases:
+            ctx = StepContext(epoch, 0, False, cfg, split=split)
+            model.flags.clear()
+            stats = mshnet.JOB.eval_step(model, batch, ctx)
+            images = mshnet.JOB.eval_images(model, batch, ctx)
+            assert model.flags == [fused, fused], (epoch, split)
+            _, logits = model.model(batch["image"], fused)
+            expected = metrics.batch_stats(logits, batch["mask"])
+            assert {k: float(v) for k, v in stats.items()} == {k: float(v) for k, v in expected.items()}
+            torch.testing.assert_close(images["prediction"], torch.sigmoid(logits))
+    assert [mshnet.JOB.counts_for_best(cfg, epoch) for epoch in range(5)] == [False, False, False, True, True]
+
+
+def test_fusion_init_level0_passes_the_level0_head_through(cfg):
+    job_cfg = SimpleNamespace(job=mshnet.MSHNetConfig(widths=SMALL_WIDTHS, fusion_init="level0"))
+    model = mshnet.JOB.build_model(job_cfg).eval()
+    default = mshnet.JOB.build_model(SimpleNamespace(job=mshnet.MSHNetConfig(widths=SMALL_WIDTHS)))
+    assert list(model.state_dict()) == list(default.state_dict())  # the authors' names: strict loading still works
+    image = batch_of(cfg, "valid")["image"]
+    with torch.no_grad():
+        (level0, *_), fused = model(image, True)
+        _, warm_up = model(image, False)
+    torch.testing.assert_close(fused, level0)
+    torch.testing.assert_close(fused, warm_up)
+    assert not torch.equal(default.final.weight, model.final.weight)
+    with pytest.raises(ValueError, match="fusion_init"):
+        mshnet.JOB.check_config(SimpleNamespace(job=mshnet.MSHNetConfig(fusion_init="zeros")))
 
 
 def test_eval_step_images_and_finish(cfg):

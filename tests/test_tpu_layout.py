@@ -406,6 +406,7 @@ def test_config_becomes_a_ray_tpu_scaling_config(accelerator, topology, layout, 
             f"scaling.tpu.topology={topology}",
             f"scaling.tpu.layout={layout}",
             f"scaling.num_workers={workers}",
+            "data.global_batch_size=32",
         ],
     )
     kwargs = scaling_kwargs(cfg)

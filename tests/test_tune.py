@@ -5,7 +5,6 @@ sweep on the session's local Ray instance."""
 from __future__ import annotations
 
 import csv
-import math
 import os
 import signal
 import subprocess
@@ -16,15 +15,12 @@ from pathlib import Path
 import pytest
 
 from raytpu.config import ConfigError, load_config
+from raytpu.search import Search, parse_search, searches_of
 from raytpu.tune import (
-    DRIVER_CPU,
-    Search,
     format_table,
     max_concurrent_trials,
-    parse_search,
     reports_per_trial,
     scaled_lr,
-    searches_of,
     split_flags,
     trial_config,
 )
@@ -33,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "jobs/mshnet/small.yaml")
 TINY = [
     "loop.epochs=3",
-    "job.warm_epoch=0",
+    "job.warm_epoch=-1",
     "job.base_size=32",
     "job.crop_size=32",
     "scaling.num_workers=1",
@@ -156,14 +152,19 @@ def test_reports_per_trial():
         reports_per_trial(cfg)
 
 
-def test_max_concurrent_trials_fits_the_workers():
+def test_max_concurrent_trials_fits_the_workers_and_clamps_what_does_not(capsys):
     cfg, _ = load_config(SMALL, ["scaling.num_workers=2", "scaling.runtime=cpu"])
-    assert max_concurrent_trials(cfg, {"CPU": 8}) == math.floor(8 / (2 + DRIVER_CPU)) == 3
-    assert max_concurrent_trials(cfg, {"CPU": 1}) == 1
+    assert max_concurrent_trials(cfg, [{"CPU": 8}]) == 4  # the trial's driver reserves no CPU
+    assert max_concurrent_trials(cfg, [{"CPU": 2}]) == 1  # the README's sweep on a 2-CPU machine
+    cfg.scaling.cpus_per_worker = 2.0
+    assert max_concurrent_trials(cfg, [{"CPU": 3}] * 4) == 2  # one 2-CPU worker per 3-CPU node, not 12 / 4 = 3
+    cfg.scaling.cpus_per_worker = 1.0
     cfg.scaling.runtime = "cuda"
-    assert max_concurrent_trials(cfg, {"CPU": 64, "GPU": 4}) == 2
-    cfg.tune.max_concurrent = 5
-    assert max_concurrent_trials(cfg, {"CPU": 1}) == 5
+    assert max_concurrent_trials(cfg, [{"CPU": 64, "GPU": 4}]) == 2
+    cfg.scaling.runtime, cfg.tune.max_concurrent = "cpu", 2
+    assert max_concurrent_trials(cfg, [{"CPU": 2}]) == 1
+    assert "--max-concurrent 2: only 1 trial(s) of 2 worker(s) fit" in capsys.readouterr().out
+    assert max_concurrent_trials(cfg, [{"CPU": 8}]) == 2
 
 
 def test_format_table():
@@ -188,13 +189,13 @@ def mshnet_data(tmp_path_factory):
 
 
 def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_session, tmp_path, mshnet_data):
-    """An lr=0 trial's training loss is its initial model's loss; the trained trials (grid
+    """An lr=1e-12 trial's training loss is its initial model's loss; the trained trials (grid
     order: they run first, 2 at a time) recorded lower losses at the first rung, so ASHA
-    must stop both lr=0 trials there, whatever order the rest of the sweep takes."""
+    must stop both untrained trials there, whatever order the rest of the sweep takes."""
     from raytpu import launcher
     from raytpu.tune import run
 
-    flags = ["--search", "optim.lr=grid(0.05, 0.03, 0.0, 0.0)", "--samples", "1", "--metric", "train/loss"]
+    flags = ["--search", "optim.lr=grid(0.05, 0.03, 1e-12, 1e-12)", "--samples", "1", "--metric", "train/loss"]
     flags += ["--mode", "min", "--max-concurrent", "2", "--grace-period", "1", "--name", "asha"]
     rest, tuned, _ = split_flags(TINY + [f"data.path={mshnet_data}", f"run.storage_path={tmp_path}", *flags])
     cfg, job = load_config(SMALL, rest + tuned)
@@ -203,8 +204,8 @@ def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_sessi
 
     rows = read_rows(tmp_path / "asha" / "results.csv")
     assert len(rows) == 4
-    untrained = [r for r in rows if float(r["optim.lr"]) == 0.0]
-    trained = [r for r in rows if float(r["optim.lr"]) > 0.0]
+    untrained = [r for r in rows if float(r["optim.lr"]) < 1e-6]
+    trained = [r for r in rows if float(r["optim.lr"]) > 1e-6]
     assert all(r["status"] == "stopped early" and r["reports"] == "1" for r in untrained), rows
     assert any(r["status"] == "done" and r["reports"] == "3" for r in trained), rows
     assert max(float(r["train/loss"]) for r in trained) < min(float(r["train/loss"]) for r in untrained), rows
@@ -233,7 +234,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session
     command += [f"data.path={mshnet_data}", f"run.storage_path={tmp_path}", "--address", address]
     command += [
         "--search",
-        "optim.lr=grid(0.05, 0.0)",
+        "optim.lr=grid(0.05, 1e-12)",
         "--samples",
         "1",
         "--max-concurrent",
@@ -261,8 +262,8 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session
     assert "resuming sweep" in second.stdout
     rows = read_rows(tmp_path / "resume" / "results.csv")
     assert sorted((r["optim.lr"], r["status"], r["reports"]) for r in rows) == [
-        ("0.0", "done", "2"),
         ("0.05", "done", "2"),
+        ("1e-12", "done", "2"),
     ]
     after = {p: p.stat().st_mtime_ns for p in finished.rglob("*") if p.is_file()}
     changed = [p for p in after if before.get(p) != after[p] and "tfevents" not in p.name]

@@ -28,7 +28,7 @@ def probe(root, env: dict[str, str], *overrides: str) -> dict:
         f"data.path={root}",
         "job.base_size=32",
         "job.crop_size=32",
-        "job.warm_epoch=0",
+        "job.warm_epoch=-1",
         "data.global_batch_size=4",
         "loop.max_steps=6",
         "loop.log_every=1",

@@ -18,9 +18,11 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics as met
 
+from raytpu.callbacks import Callback
+from raytpu.checkpoint import LocalReporter
 from raytpu.config import load_config
 from raytpu.launcher import resolve_data_root
-from raytpu.loop import LocalReporter, Trainer
+from raytpu.loop import Trainer
 from raytpu.runtime import make_runtime
 
 
@@ -36,65 +38,62 @@ def ray_datasets(cfg, job) -> dict | None:
     return {split: data.iterator() for split, data in ingest.read_datasets(cfg, job, "train").items()}
 
 
+def compiles() -> int:
+    data = met.metric_data("CompileTime")
+    return data[0] if data else 0
+
+
+class Probe(Callback):
+    """Compiles and CPU fallbacks of each training step after ``warmup`` (the step and its log
+    closures only: an eval or a checkpoint between steps, which compile graphs of their own,
+    is not the step's), and the losses the log closures read back."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.before = warmup, 0
+        self.seen: dict = {"losses": [], "steps": {}}
+
+    def on_step_start(self, trainer, step: int) -> None:
+        self.before = compiles()
+
+    def on_step_end(self, trainer, step: int) -> None:
+        if step == self.warmup:
+            met.clear_all()
+        elif step > self.warmup:
+            fallbacks = sorted(n for n in met.counter_names() if n.startswith("aten::"))
+            self.seen["steps"][step] = {"compiles": compiles() - self.before, "fallbacks": fallbacks}
+
+    def on_log(self, trainer, step: int, values: dict[str, float]) -> None:
+        self.seen["losses"].append(values["loss"])
+
+
 def main(argv: list[str]) -> None:
     warmup, overrides = int(argv[0]), argv[1:]
-    cfg, job = load_config(None, ["logging.progress_bar=false", *overrides])
+    cfg, job = load_config(None, ["logging.progress_bar=false", "logging.eval_images=0", *overrides])
     runtime = make_runtime("xla", cfg.scaling.precision, 1, 0, 0, cfg.xla)
     run_dir = Path(tempfile.mkdtemp(prefix="xla-probe-"))
     data_root = resolve_data_root(cfg, job) if cfg.data.path else run_dir
-    trainer = Trainer(cfg, job, runtime, run_dir, data_root, LocalReporter(run_dir), ray_datasets(cfg, job))
-    seen: dict = {"losses": []}
-    train_step, after_step = trainer._train_step, trainer._after_step
-    log_closure = trainer._log_closure
+    probe = Probe(warmup)
     job_train_step = job.train_step
-
-    def compiles() -> int:
-        data = met.metric_data("CompileTime")
-        return data[0] if data else 0
-
-    def probe_train_step(batches) -> None:
-        seen["before"] = compiles()
-        train_step(batches)
-
-    def probe_after_step() -> None:
-        """Compiles of the step and its closures only: what a checkpoint between
-        steps compiles (FSDPv2 gathers each sharded tensor once) is not the step's."""
-        after_step()
-        step = trainer.progress.step
-        if step == warmup:
-            met.clear_all()
-        elif step > warmup:
-            seen[step] = {
-                "compiles": compiles() - seen["before"],
-                "fallbacks": sorted(n for n in met.counter_names() if n.startswith("aten::")),
-            }
 
     def probe_job_step(model, batch, ctx):
         """The sharding of the first batch tensor as the step receives it ('' = replicated)."""
         first = next(value for value in batch.values() if isinstance(value, torch.Tensor))
-        seen.setdefault("input_sharding", torch_xla._XLAC._get_xla_sharding_spec(first))
+        probe.seen.setdefault("input_sharding", torch_xla._XLAC._get_xla_sharding_spec(first))
         return job_train_step(model, batch, ctx)
 
-    def probe_log(stats, step, lr) -> None:
-        seen["losses"].append(float(stats.cpu()[0]))
-        log_closure(stats, step, lr)
-
-    trainer._train_step = probe_train_step
-    trainer._after_step = probe_after_step
-    trainer.evaluate = lambda *args, **kwargs: {}  # eval graphs are not part of the training step
-    trainer._log_closure = probe_log
     job.train_step = probe_job_step
-    trainer.fit()
-    steps = [k for k in seen if isinstance(k, int)]
+    reporter = LocalReporter(run_dir)
+    Trainer(cfg, job, runtime, run_dir, data_root, reporter, ray_datasets(cfg, job), [probe]).fit()
+    steps = probe.seen["steps"].values()
     print(
         json.dumps(
             {
                 "devices": runtime.local_devices,
-                "compiles_after_warmup": sum(seen[s]["compiles"] for s in steps),
-                "fallbacks_after_warmup": sorted({f for s in steps for f in seen[s]["fallbacks"]}),
+                "compiles_after_warmup": sum(s["compiles"] for s in steps),
+                "fallbacks_after_warmup": sorted({f for s in steps for f in s["fallbacks"]}),
                 "steps_checked": len(steps),
-                "losses": seen["losses"],
-                "input_sharding": seen.get("input_sharding"),
+                "losses": probe.seen["losses"],
+                "input_sharding": probe.seen.get("input_sharding"),
             }
         )
     )

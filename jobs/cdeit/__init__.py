@@ -120,6 +120,16 @@ class CDEITJob(Job):
     }
 
     # ----------------------------------------------------------------- build
+    def check_config(self, cfg: Any) -> None:
+        try:
+            model_config(cfg.job).validate()
+        except ValueError as exc:
+            raise ValueError(f"job (CDEIT model settings): {exc}") from exc
+        if cfg.job.eval_set not in EVAL_SETS:
+            raise ValueError(f"job.eval_set={cfg.job.eval_set!r} is not one of {', '.join(EVAL_SETS)}")
+        if cfg.job.sampling_steps < 1:
+            raise ValueError(f"job.sampling_steps must be at least 1, got {cfg.job.sampling_steps}")
+
     def build_model(self, cfg: Any) -> nn.Module:
         return DiT(model_config(cfg.job))
 
@@ -148,7 +158,7 @@ class CDEITJob(Job):
             "seed": cfg.run.seed,
         }
 
-    def compute_stats(self, root: str | Path) -> dict[str, Any]:
+    def compute_stats(self, root: Path) -> dict[str, Any]:
         """``raytpu data stats cdeit``: rewrite mean.pth / std.pth from the train split."""
         return synth.compute_stats(root)
 

@@ -9,6 +9,7 @@ skipping columns r-1, r, r+1 (mod 16), which stay zero (the authors' layout).
 from __future__ import annotations
 
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -74,14 +75,25 @@ def find_stats(root: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     places = [Path(root), Path("data")]
     for place in places:
         if (place / "mean.pth").is_file() and (place / "std.pth").is_file():
-            mean = torch.load(place / "mean.pth", weights_only=True).float().reshape(1, N_ELECTRODES, N_PER_DRIVE)
-            std = torch.load(place / "std.pth", weights_only=True).float().reshape(1, N_ELECTRODES, N_PER_DRIVE)
-            return mean, std
+            return load_stat(place / "mean.pth"), load_stat(place / "std.pth")
     looked = " and ".join(repr(str(p)) for p in places)
     raise FileNotFoundError(
         f"normalisation statistics mean.pth / std.pth not found in {looked}; "
         f"compute them with `raytpu data stats cdeit --data-path {root}`"
     )
+
+
+def load_stat(path: Path) -> torch.Tensor:
+    """One statistics file: a tensor of 208 values, as (1, 16, 13) float32."""
+    try:
+        value = torch.load(path, weights_only=True)
+        return value.float().reshape(1, N_ELECTRODES, N_PER_DRIVE)
+    except Exception as exc:  # a corrupt or foreign file: torch, pickle and shape errors alike
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ValueError(
+            f"{path}: not a statistics tensor of {N_ELECTRODES * N_PER_DRIVE} values ({reason}); "
+            f"recompute it with `raytpu data stats cdeit --data-path {path.parent}`"
+        ) from exc
 
 
 # ------------------------------------------------------------------ dataset
@@ -101,12 +113,17 @@ class EITDataset(Dataset):
         return len(self.files)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        with np.load(self.files[index]) as sample:
-            return {
-                "x": torch.from_numpy(sample["xs"].astype(np.float32))[None],
-                "y": normalise_voltages(sample["ys"], self.mean, self.std, self.voltage_scale),
-                "tr": torch.from_numpy(sample["TR"].astype(np.float32))[None],
-            }
+        path = self.files[index]
+        try:
+            with np.load(path) as sample:
+                return {
+                    "x": torch.from_numpy(sample["xs"].astype(np.float32))[None],
+                    "y": normalise_voltages(sample["ys"], self.mean, self.std, self.voltage_scale),
+                    "tr": torch.from_numpy(sample["TR"].astype(np.float32))[None],
+                }
+        except (OSError, ValueError, KeyError, RuntimeError, zipfile.BadZipFile) as exc:
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise ValueError(f"{path}: not a readable CDEIT sample (.npz with xs, ys, TR): {reason}") from exc
 
     def image_size(self) -> int:
         return int(self[0]["x"].shape[-1])

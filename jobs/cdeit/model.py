@@ -362,10 +362,5 @@ class DiT(nn.Module):
         return self.unpatchify(self.final_layer(tokens, c))
 
 
-def build_dit(cfg: DiTConfig | None = None) -> DiT:
-    """The authors' model with the defaults; pass a :class:`DiTConfig` to change its size."""
-    return DiT(cfg)
-
-
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

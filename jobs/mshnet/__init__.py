@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 from jobs.mshnet import metrics
 from jobs.mshnet.data import IMAGENET_MEAN, IMAGENET_STD, LISTS, IRSTDDataset, IRSTDTransform, decode_pair, read_names
 from jobs.mshnet.loss import mshnet_loss
-from jobs.mshnet.model import MSHNet
+from jobs.mshnet.model import MSHNet, init_fusion_as_level0
 from jobs.mshnet.synth import synthesize
 from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
 
@@ -27,26 +27,31 @@ class MSHNetConfig(JobConfig):
     name: str = "mshnet"
     base_size: int = 256  # eval resize and the centre of the train rescale range
     crop_size: int = 256  # train crop
-    warm_epoch: int = 5  # epochs trained with the level-0 head and plain soft-IoU loss
+    warm_epoch: int = 5  # epochs 0..warm_epoch (warm_epoch + 1 of them) train the level-0 head; -1: no warm-up
     widths: list[int] = field(default_factory=lambda: [16, 32, 64, 128, 256])
     synth_n: int = 100  # images made by `raytpu data synth` / data.synthesize_if_missing
     synth_size: int = 256
     legacy_fa: bool = False  # count Fa as the authors' PD_FA does (see jobs/mshnet/metrics.py)
+    # the fusion conv's initial weights: "random" (PyTorch's default, the authors'), or "level0":
+    # the fused output starts equal to the level-0 head (see jobs.mshnet.model.init_fusion_as_level0)
+    fusion_init: str = "random"
 
 
 class MSHNetJob(Job):
     """MSHNet on IRSTD-format data: SLS loss, mIoU/nIoU/Pd/Fa evaluation, the authors' flags.
 
-    Evaluation always uses the fused output (``warm_flag=True``), as the
-    authors' test mode does; during warm-up that output is still untrained, so
-    the epochs' eval numbers only mean something from ``warm_epoch`` on.
+    Warm-up as in the authors' ``main.py``: epoch ``e`` (counted from 0) trains
+    the fused output with the SLS loss when ``e > warm_epoch``, else the level-0
+    head alone with soft IoU. An evaluation after epoch ``e`` scores the output
+    that epoch trained (level-0 head in warm-up, fused after); such warm-up
+    evaluations are logged but never chosen as the best checkpoint. The test
+    split always scores the fused output, as the authors' test mode does.
     """
 
     name = "mshnet"
     config_class = MSHNetConfig
     main_metric = "mIoU"
     main_metric_mode = "max"
-    find_unused_parameters = True  # warm-up skips the side heads and the fusion conv
     aliases = {
         "--dataset-dir": "data.path",
         "--batch-size": "data.global_batch_size",
@@ -59,10 +64,29 @@ class MSHNetJob(Job):
         "--weight-path": "checkpoint.weights",
     }
 
+    def check_config(self, cfg: Any) -> None:
+        job = cfg.job
+        if job.crop_size < 16 or job.base_size < 16 or job.crop_size % 16 or job.base_size % 16:
+            raise ValueError(
+                f"job.base_size ({job.base_size}) and job.crop_size ({job.crop_size}) must be positive multiples "
+                "of 16 (four 2x poolings)"
+            )
+        if job.warm_epoch < -1:
+            raise ValueError(f"job.warm_epoch must be at least -1 (no warm-up), got {job.warm_epoch}")
+        if len(job.widths) != 5 or min(job.widths) < 1:
+            raise ValueError(f"job.widths must be 5 positive channel counts, got {job.widths}")
+        if job.fusion_init not in ("random", "level0"):
+            raise ValueError(f"job.fusion_init must be 'random' or 'level0', got {job.fusion_init!r}")
+        if job.synth_n < 2 or job.synth_size < 16:
+            raise ValueError(
+                f"job.synth_n must be at least 2 and job.synth_size at least 16 (got {job.synth_n}, {job.synth_size})"
+            )
+
     def build_model(self, cfg: Any) -> nn.Module:
-        if cfg.job.crop_size % 16 or cfg.job.base_size % 16:
-            raise ValueError("job.base_size and job.crop_size must be multiples of 16 (four 2x poolings)")
-        return MSHNet(3, cfg.job.widths)
+        model = MSHNet(3, cfg.job.widths)
+        if cfg.job.fusion_init == "level0":
+            init_fusion_as_level0(model)
+        return model
 
     def build_dataset(self, cfg: Any, split: str, data_root: Path) -> Dataset:
         """``train``: trainval.txt with augmentation; ``valid`` and ``test``: test.txt resized to base_size."""
@@ -111,16 +135,34 @@ class MSHNetJob(Job):
 
         return decode
 
+    @staticmethod
+    def warm(cfg: Any, epoch: int) -> bool:
+        """Whether epoch ``epoch`` (from 0) is past the warm-up: ``epoch > warm_epoch``, as the authors'."""
+        return epoch > cfg.job.warm_epoch
+
+    def eval_warm_flag(self, ctx: StepContext) -> bool:
+        """The head an evaluation scores: the fused output on the test split and after
+        warm-up, the level-0 head being trained during it (the authors' ``test(epoch)``)."""
+        return ctx.split == "test" or self.warm(ctx.config, ctx.epoch)
+
+    def unused_parameters(self, cfg: Any, epoch: int) -> bool:
+        """Warm-up skips the side heads and the fusion conv."""
+        return not self.warm(cfg, epoch)
+
+    def counts_for_best(self, cfg: Any, epoch: int) -> bool:
+        """Only evaluations of the fused output, after warm-up, can be the best checkpoint."""
+        return self.warm(cfg, epoch)
+
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
         """SLS loss; a Python flag picks the phase, so on XLA the switch is one extra graph."""
-        warm = ctx.epoch >= ctx.config.job.warm_epoch
+        warm = self.warm(ctx.config, ctx.epoch)
         side, logits = model(batch["image"], warm)
         loss = mshnet_loss(side, logits, batch["mask"], warm)
         return loss, {"loss": loss}
 
     def eval_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> Batch:
-        """Summable mIoU/nIoU/Pd/Fa counts of the fused output (CPU float64 scalars)."""
-        _, logits = model(batch["image"], True)
+        """Summable mIoU/nIoU/Pd/Fa counts (CPU float64 scalars) of the head :meth:`eval_warm_flag` picks."""
+        _, logits = model(batch["image"], self.eval_warm_flag(ctx))
         return metrics.batch_stats(logits, batch["mask"], ctx.config.job.legacy_fa)
 
     def finish_eval(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -128,7 +170,7 @@ class MSHNetJob(Job):
 
     def eval_images(self, model: nn.Module, batch: Batch, ctx: StepContext) -> dict[str, torch.Tensor]:
         """Grey input (first channel, de-normalised), label and sigmoid prediction, each (N, 1, H, W) in [0, 1]."""
-        _, logits = model(batch["image"], True)
+        _, logits = model(batch["image"], self.eval_warm_flag(ctx))
         grey = batch["image"][:, :1].float() * float(IMAGENET_STD[0]) + float(IMAGENET_MEAN[0])
         return {"input": grey.clamp(0, 1), "label": batch["mask"].float(), "prediction": torch.sigmoid(logits.float())}
 

@@ -39,6 +39,16 @@ def read_names(root: Path, split: str) -> list[str]:
     return names
 
 
+def open_png(path: Path, mode: str) -> Image.Image:
+    """A PNG decoded in ``mode``; a missing or corrupt file is a one-line error that names it."""
+    try:
+        with Image.open(path) as image:
+            return image.convert(mode)
+    except (OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise ValueError(f"{path}: cannot read this image ({reason}); fix or remove it from the split's list") from exc
+
+
 def to_tensors(image: Image.Image, mask: Image.Image) -> dict[str, torch.Tensor]:
     """ImageNet-normalised (3, H, W) image and a {0, 1} (1, H, W) mask, both float32."""
     pixels = (np.asarray(image, dtype=np.float32) / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
@@ -133,9 +143,7 @@ class IRSTDDataset(IRSTDTransform, Dataset):
 
     def load(self, index: int) -> tuple[Image.Image, Image.Image]:
         name = self.names[index]
-        image = Image.open(self.root / "images" / f"{name}.png").convert("RGB")
-        mask = Image.open(self.root / "masks" / f"{name}.png").convert("L")
-        return image, mask
+        return open_png(self.root / "images" / f"{name}.png", "RGB"), open_png(self.root / "masks" / f"{name}.png", "L")
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return self.item(*self.load(index), index)

@@ -147,3 +147,19 @@ class MSHNet(nn.Module):
         heads = [self.output_0(d0), self.output_1(d1), self.output_2(d2), self.output_3(d3)]
         fused = torch.cat([heads[0], upsample(heads[1], 2), upsample(heads[2], 4), upsample(heads[3], 8)], dim=1)
         return heads, self.final(fused)
+
+
+def init_fusion_as_level0(model: MSHNet) -> None:
+    """Make the fusion conv ``final`` pass the level-0 head through unchanged.
+
+    Its 3x3 kernel becomes the identity on channel 0 and zero on the three
+    upsampled coarser heads, its bias zero: at the end of the warm-up (which
+    trains only the level-0 head) the fused output starts equal to the trained
+    head instead of a random mix of logits of magnitude 10-40. The coarser heads
+    still get gradients through the zero weights, so the fusion learns to use them.
+    """
+    kernel = model.final.weight
+    with torch.no_grad():
+        kernel.zero_()
+        kernel[0, 0, kernel.shape[2] // 2, kernel.shape[3] // 2] = 1.0
+        model.final.bias.zero_()

@@ -1,208 +1,29 @@
 """Device backends: the only place that knows cpu vs cuda vs xla.
 
-A :class:`Runtime` turns a device-agnostic model, optimizer and data loader
-into a running data-parallel step on one Ray worker. ``make_runtime`` picks the
-implementation; the precision policy is a pure function so that it is tested
-without any device.
+A :class:`Runtime` turns a device-agnostic model, optimizer and data loader into a running
+data-parallel step on one worker (``base``: the interface and the policies; ``torch_ddp``: cpu
+and cuda; ``xla``: PyTorch/XLA, imported only when asked for). ``make_runtime`` picks one.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-RUNTIMES = ("cpu", "cuda", "xla")
+from raytpu.runtime.base import (
+    Runtime,
+    batchnorm_scope,
+    clip_or_measure,
+    pick_runtime,
+    resolve_precision,
+    tpu_present,
+)
+from raytpu.runtime.torch_ddp import DDPRuntime
 
-
-def pick_runtime(requested: str, tpu_present: bool, cuda_present: bool) -> str:
-    """``auto`` -> xla if a TPU is present, else cuda if a GPU is, else cpu."""
-    if requested != "auto":
-        return requested
-    if tpu_present:
-        return "xla"
-    return "cuda" if cuda_present else "cpu"
-
-
-def resolve_precision(runtime: str, requested: str, bf16_supported: bool = True) -> tuple[str, str | None]:
-    """Return ``(precision, warning)`` for a runtime: the SPEC §3 policy.
-
-    auto: bf16 on xla, fp16 (with GradScaler) on cuda, fp32 on cpu. fp16 asked
-    on xla becomes bf16 with a warning (TPUs have no fp16 autocast); fp16 on cpu
-    becomes fp32; bf16 on a GPU without bf16 becomes fp16.
-    """
-    if requested == "auto":
-        return {"xla": "bf16", "cuda": "fp16", "cpu": "fp32"}[runtime], None
-    if runtime == "xla" and requested == "fp16":
-        return "bf16", "precision fp16 is not supported on XLA/TPU; using bf16 instead"
-    if runtime == "cpu" and requested == "fp16":
-        return "fp32", "precision fp16 needs a GPU; using fp32 on the cpu runtime"
-    if runtime == "cuda" and requested == "bf16" and not bf16_supported:
-        return "fp16", "this GPU has no bf16 support; using fp16 with a gradient scaler"
-    return requested, None
-
-
-def tpu_present() -> bool:
-    """A TPU VM, told by its device files or env, without initialising torch_xla."""
-    if os.environ.get("PJRT_DEVICE", "").upper() == "TPU" or os.environ.get("TPU_ACCELERATOR_TYPE"):
-        return True
-    return any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0"))
-
-
-class Runtime:
-    """One worker's device, precision and data-parallel plumbing."""
-
-    name = "base"
-    #: steps are traced and compiled (XLA): every step should run the same graph
-    static_graph = False
-
-    def __init__(self, precision: str, world_size: int, rank: int, local_rank: int) -> None:
-        self.precision = precision
-        self.world_size = world_size
-        self.rank = rank
-        self.local_rank = local_rank
-        self.device = torch.device("cpu")
-
-    # ------------------------------------------------------------- topology
-    @property
-    def data_parallel_size(self) -> int:
-        """How many shards the dataset is split into (one per worker)."""
-        return self.world_size
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.rank
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    # --------------------------------------------------------------- model
-    def prepare_model(self, model: nn.Module, find_unused_parameters: bool = False) -> nn.Module:
-        return model.to(self.device)
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return getattr(model, "module", model)
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(self.device.type, dtype=dtype)
-
-    def compiled_step(self) -> contextlib.AbstractContextManager:
-        """Context of one training step (XLA traces it as one graph)."""
-        return contextlib.nullcontext()
-
-    def no_sync(self, model: nn.Module, skip: bool) -> contextlib.AbstractContextManager:
-        """Skip the gradient all-reduce on accumulation micro-steps."""
-        if skip and hasattr(model, "no_sync"):
-            return model.no_sync()
-        return contextlib.nullcontext()
-
-    # ---------------------------------------------------------------- step
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def optimizer_step(
-        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
-    ) -> torch.Tensor:
-        """Clip (if ``max_norm``), step, and return the pre-clip gradient norm (a tensor)."""
-        norm = clip_or_measure(params, max_norm)
-        optimizer.step()
-        return norm
-
-    def mark_step(self) -> None:
-        """End of a training step (XLA: cut and run the graph)."""
-
-    def add_step_closure(self, fn: Callable[..., None], args: tuple = ()) -> None:
-        """Run ``fn(*args)`` once the step's tensors are computed."""
-        fn(*args)
-
-    def device_loader(self, loader: Iterable, sample: dict[str, torch.Tensor] | None = None) -> Iterator:
-        for batch in loader:
-            yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-
-    # ----------------------------------------------------------- reductions
-    def all_reduce_sum(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Sum statistics over workers; returns CPU float64 tensors."""
-        reduced = {k: v.detach().to("cpu", torch.float64) for k, v in totals.items()}
-        if self.world_size > 1 and dist.is_initialized():
-            for key in sorted(reduced):
-                tensor = reduced[key].to(self.collective_device)
-                dist.all_reduce(tensor)
-                reduced[key] = tensor.cpu()
-        return reduced
-
-    @torch.no_grad()
-    def broadcast_buffers(self, model: nn.Module) -> None:
-        """Give every worker rank 0's buffers (BatchNorm statistics drift apart
-        between DDP forwards), so that all workers evaluate the same model."""
-        if self.world_size <= 1 or not dist.is_initialized():
-            return
-        for buffer in model.buffers():
-            shared = buffer.detach().to(self.collective_device)
-            dist.broadcast(shared, src=0)
-            buffer.copy_(shared.to(buffer.device))
-
-    @property
-    def collective_device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def barrier(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():
-            dist.barrier()
-
-    # ---------------------------------------------------------- state / rng
-    def rng_state(self) -> dict[str, Any]:
-        return {"torch": torch.get_rng_state()}
-
-    def set_rng_state(self, state: dict[str, Any]) -> None:
-        torch.set_rng_state(state["torch"])
-
-    def seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def scaler_state(self) -> dict[str, Any] | None:
-        """Loss-scaler state for checkpoints (fp16 only)."""
-        return None
-
-    def load_scaler_state(self, state: dict[str, Any] | None) -> None:
-        """Restore :meth:`scaler_state`."""
-
-    def to_cpu(self, obj: Any) -> Any:
-        """Copy tensors (nested in dicts/lists) to the CPU, e.g. for a checkpoint."""
-        if isinstance(obj, torch.Tensor):
-            return obj.detach().cpu()
-        if isinstance(obj, dict):
-            return {k: self.to_cpu(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self.to_cpu(v) for v in obj)
-        return obj
-
-    def compile_count(self) -> int:
-        """Graphs compiled so far (XLA); 0 where nothing is compiled."""
-        return 0
-
-    def metrics(self) -> dict[str, float]:
-        """Backend counters worth logging (XLA compiles...)."""
-        return {}
-
-    def finish(self) -> None:
-        """End of training: print reports, release resources."""
-
-
-def clip_or_measure(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Total gradient norm of ``params`` (a tensor, no host sync); clips in place when ``max_norm > 0``."""
-    if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=None)
-    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=None)
+__all__ = ["Runtime", "batchnorm_scope", "clip_or_measure", "make_runtime", "pick_runtime", "resolve_precision"]
 
 
 def make_runtime(
@@ -223,9 +44,7 @@ def make_runtime(
     if message:
         warn(message)
     if name == "xla":
-        from raytpu.runtime.xla import XLARuntime
+        from raytpu.runtime.xla import XLARuntime  # imports torch_xla: only on XLA workers
 
         return XLARuntime(resolved, world_size, rank, local_rank, xla_options)
-    from raytpu.runtime.torch_ddp import DDPRuntime
-
     return DDPRuntime(name, resolved, world_size, rank, local_rank)

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raytpu.runtime import Runtime, clip_or_measure
+from raytpu.runtime.base import Runtime, batchnorm_scope, clip_or_measure
+from raytpu.runtime.batchnorm import convert_to_global_batchnorm
 
 
 class DDPRuntime(Runtime):
@@ -21,11 +22,26 @@ class DDPRuntime(Runtime):
             torch.cuda.set_device(self.device)
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
 
-    def prepare_model(self, model: nn.Module, find_unused_parameters: bool = False) -> nn.Module:
+    def prepare_model(
+        self, model: nn.Module, find_unused_parameters: bool = False, sync_batchnorm: str = "auto"
+    ) -> nn.Module:
         model = model.to(self.device)
+        if batchnorm_scope(self.name, sync_batchnorm, False, self.world_size) == "global" and self.world_size > 1:
+            if self.device.type == "cuda":
+                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            else:
+                model = convert_to_global_batchnorm(model)
         if self.world_size > 1 and dist.is_initialized():
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            model = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters)
+            model = self._wrap(model, find_unused_parameters)
+        return model
+
+    def _wrap(self, module: nn.Module, unused: bool) -> DistributedDataParallel:
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=unused)
+
+    def track_unused_parameters(self, model: nn.Module, unused: bool) -> nn.Module:
+        if isinstance(model, DistributedDataParallel) and model.find_unused_parameters != unused:
+            return self._wrap(model.module, unused)
         return model
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -48,6 +64,10 @@ class DDPRuntime(Runtime):
     @property
     def collective_device(self) -> torch.device:
         return self.device
+
+    @property
+    def pin_memory(self) -> bool:
+        return self.device.type == "cuda"
 
     def rng_state(self) -> dict[str, Any]:
         state = super().rng_state()

@@ -21,6 +21,7 @@ torch_xla is imported only here, inside the worker, never in the driver.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytpu.runtime import Runtime, clip_or_measure, tpu_present
+from raytpu.runtime.base import RecompileError, Runtime, batchnorm_scope, clip_or_measure, tpu_present
 
 
 class XLARuntime(Runtime):
@@ -56,6 +57,8 @@ class XLARuntime(Runtime):
         # CPU PJRT processes share no collectives: several of them are data-parallel over the host gloo group
         self.host_collectives = world_size > 1 and xr.device_type() == "CPU"
         self.mesh = self._make_mesh() if self.spmd else None
+        self.recompiles = 0
+        self._compiles_before_step = 0
 
     # ------------------------------------------------------------- topology
     def _make_mesh(self) -> Any:
@@ -78,7 +81,12 @@ class XLARuntime(Runtime):
         return xr.addressable_runtime_device_count() if self.spmd else 1
 
     # --------------------------------------------------------------- model
-    def prepare_model(self, model: nn.Module, find_unused_parameters: bool = False) -> nn.Module:
+    def prepare_model(
+        self, model: nn.Module, find_unused_parameters: bool = False, sync_batchnorm: str = "auto"
+    ) -> nn.Module:
+        scope = batchnorm_scope(self.name, sync_batchnorm, self.spmd, self.world_size)
+        if scope == "global" and sync_batchnorm == "false" and self.spmd:
+            warnings.warn("loop.sync_batchnorm=false: under SPMD BatchNorm normalises the global batch", stacklevel=2)
         model = model.to(self.device)
         if not self.fsdp:
             return model
@@ -190,8 +198,30 @@ class XLARuntime(Runtime):
         data = met.metric_data("CompileTime")
         return int(data[0]) if data else 0
 
+    def begin_step(self) -> None:
+        self._compiles_before_step = self.compile_count()
+
+    def end_step(self, step: int, steps_into_epoch: int) -> str | None:
+        """After warm-up a training step must reuse its compiled graph.
+
+        The first two steps of every epoch (and of a resumed run) may compile: the first
+        builds the step, the second sees the optimizer state it created, and jobs may change
+        graphs at an epoch (MSHNet's warm-up).
+        """
+        compiles = self.compile_count() - self._compiles_before_step
+        if compiles <= 0 or steps_into_epoch < 2:
+            return None
+        self.recompiles += compiles
+        text = (
+            f"step {step} recompiled the XLA graph ({compiles} compile(s)); rerun with PT_XLA_DEBUG_LEVEL=2 "
+            "to see why (a changing shape, a Python value or a .item())"
+        )
+        if self.options is not None and self.options.strict_recompile:
+            raise RecompileError(text + "; xla.strict_recompile=true stops the run")
+        return text
+
     def metrics(self) -> dict[str, float]:
-        return xla_metrics()
+        return {**xla_metrics(), "xla/recompiles_after_warmup": float(self.recompiles)}
 
     def finish(self) -> None:
         if self.options is not None and self.options.debug_metrics and self.is_main:

@@ -1,0 +1,123 @@
+"""The one argument layer: dotted overrides, flag aliases and subcommand options, for every command.
+
+Words after a config on the command line are ``section.key=value`` overrides (values read as
+YAML), flags a job or a tool accepts as aliases of config keys (``--batch-size 8``), and the
+subcommand's own options (``--address``, ``--search``, ``--no-wait``). :func:`extract` takes a
+command's own options out; :func:`parse_overrides` turns the rest into ``(key, value)`` pairs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import yaml
+
+from raytpu.errors import ConfigError
+
+#: ``section.key=value``: never the value of a flag
+OVERRIDE = re.compile(r"^[A-Za-z_]\w*\.[\w.]*=")
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def extract(
+    items: list[str], valued: Iterable[str] = (), repeated: Iterable[str] = (), switches: Iterable[str] = ()
+) -> tuple[list[str], dict[str, list[str]]]:
+    """Take a command's own options out of ``items``: ``valued`` flags (``--flag V`` or ``--flag=V``;
+    the last one wins), ``repeated`` ones (every value kept) and ``switches`` (no value).
+    Returns the other words, in order, and ``{flag: [values]}`` (a switch maps to ``[]``)."""
+    valued, repeated, switches = set(valued), set(repeated), set(switches)
+    rest: list[str] = []
+    found: dict[str, list[str]] = {}
+    index = 0
+    while index < len(items):
+        item = items[index]
+        flag, sep, value = item.partition("=")
+        index += 1
+        if flag in switches and not sep:
+            found[flag] = []
+        elif flag in valued | repeated:
+            if not sep:
+                if index >= len(items) or items[index].startswith("--"):
+                    raise ConfigError(f"{flag} needs a value, e.g. {flag} VALUE")
+                value = items[index]
+                index += 1
+            found[flag] = [*found.get(flag, []), value] if flag in repeated else [value]
+        else:
+            rest.append(item)
+    return rest, found
+
+
+def take_flag(items: list[str], flag: str) -> str | None:
+    """Remove ``flag VALUE`` / ``flag=VALUE`` from ``items`` in place; its value, or ``None``."""
+    rest, found = extract(items, valued=[flag])
+    items[:] = rest
+    return found[flag][0] if flag in found else None
+
+
+def parse_overrides(items: list[str], aliases: dict[str, str]) -> list[tuple[str, Any]]:
+    """``["a.b=1", "--batch-size", "8", "--lr=0.1"]`` -> ``[("a.b", 1), ...]``; ``aliases`` maps
+    flags and short keys to dotted keys."""
+    pairs: list[tuple[str, Any]] = []
+    index = 0
+    while index < len(items):
+        item = items[index]
+        index += 1
+        if item.startswith("--"):
+            flag, sep, value = item.partition("=")
+            if flag not in aliases:
+                close = difflib.get_close_matches(flag, [a for a in aliases if a.startswith("--")], n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise ConfigError(f"unknown flag {flag}{hint}")
+            if not sep:
+                if index >= len(items) or items[index].startswith("--") or OVERRIDE.match(items[index]):
+                    raise ConfigError(f"flag {flag} needs a value, e.g. {flag} VALUE")
+                value = items[index]
+                index += 1
+            if not value.strip():
+                raise ConfigError(f"flag {flag} has an empty value; write {flag}=VALUE")
+            pairs.append((aliases[flag], parse_value(value)))
+        elif "=" in item:
+            key, value = item.split("=", 1)
+            if not key.strip():
+                raise ConfigError(f"override {item!r} has no key; write KEY=VALUE, e.g. optim.lr=0.01")
+            if not value.strip():
+                raise ConfigError(f"override {item!r} has no value; write {key}=VALUE")
+            pairs.append((aliases.get(key, key), parse_value(value)))
+        else:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. optim.lr=0.01)")
+    return pairs
+
+
+def parse_options(items: list[str], fn: Callable[..., Any]) -> dict[str, Any]:
+    """``["--n-train", "8", "--size=32"]`` -> ``{"n_train": 8, "size": 32}``, checked against the
+    keyword parameters of ``fn`` (a job's ``synthesize``)."""
+    accepted = [p for p in inspect.signature(fn).parameters if p not in ("self", "out")]
+    options: dict[str, Any] = {}
+    index = 0
+    while index < len(items):
+        item = items[index]
+        if not item.startswith("--"):
+            raise ConfigError(f"unexpected argument {item!r}; options look like --name value")
+        key, sep, value = item[2:].partition("=")
+        if not sep:
+            if index + 1 >= len(items):
+                raise ConfigError(f"option --{key} needs a value")
+            value = items[index + 1]
+            index += 1
+        name = key.replace("-", "_")
+        if name not in accepted:
+            flags = ", ".join("--" + p.replace("_", "-") for p in accepted)
+            raise ConfigError(f"unknown option --{key}; this job accepts {flags}")
+        options[name] = parse_value(value)
+        index += 1
+    return options

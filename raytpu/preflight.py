@@ -1,0 +1,207 @@
+"""What the driver checks before a run starts: its data, its weights and the cluster's resources.
+
+Every mistake found here is a :class:`~raytpu.config.ConfigError` (one ``raytpu: error:`` line,
+exit 2) raised before a worker starts or a file of the run is written. The resource check
+compares what a run asks for with what the cluster has, so that nothing waits forever for
+a GPU, a TPU or a CPU that does not exist; a demand that only an autoscaler can meet is
+announced as a wait, with what it waits for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raytpu import checkpoint as ckpt
+from raytpu.config import Config, ConfigError
+from raytpu.job import Job
+
+Bundle = dict[str, float]
+#: resources a worker or a driver asks for that preflight compares with the nodes'
+CHECKED = ("CPU", "GPU", "TPU")
+
+
+# ---------------------------------------------------------------------- files
+def check_storage(cfg: Config) -> None:
+    storage = cfg.run.storage_path
+    if "://" not in storage and Path(storage).exists() and not Path(storage).is_dir():
+        raise ConfigError(f"run.storage_path {storage!r} is a file; runs are written to a folder: pass another path")
+
+
+def check_weights(cfg: Config) -> None:
+    if cfg.checkpoint.weights:
+        ckpt.check_weights(cfg.checkpoint.weights)
+
+
+def check_data(cfg: Config, job: Job, data_root: Path, mode: str) -> None:
+    """The splits a run reads: present, large enough for one step per worker, first sample readable."""
+    if cfg.data.loader == "ray":
+        check_prepared(cfg, job, mode)
+        return
+    if not data_root.is_dir():
+        raise ConfigError(f"data path {str(data_root)!r} is not a folder; pass the data set's folder (--data-path)")
+    for split in ("train", "valid") if mode == "train" else ("test",):
+        dataset = job.build_dataset(cfg, split, data_root)
+        check_split_size(cfg, split, len(dataset), str(data_root))
+        try:
+            dataset[0]
+        except (ConfigError, FileNotFoundError, ValueError) as exc:
+            raise ConfigError(f"the first {split} sample of {data_root} is unreadable: {exc}") from exc
+
+
+def check_prepared(cfg: Config, job: Job, mode: str) -> None:
+    from raytpu import ingest
+
+    prepared = ingest.open_prepared(cfg.data.path, job.name)
+    for split in ("train", "valid") if mode == "train" else ("test",):
+        rows = int(prepared.table(job.table_for_split(cfg, split))["rows"])
+        check_split_size(cfg, split, rows, cfg.data.path)
+
+
+def check_split_size(cfg: Config, split: str, samples: int, where: str) -> None:
+    """Train: every worker gets at least one optimizer step per epoch; eval: a sample per worker."""
+    workers = cfg.scaling.num_workers
+    if split == "train":
+        per_worker = cfg.data.global_batch_size // (workers * cfg.loop.grad_accum)
+        if (samples // workers) // per_worker < cfg.loop.grad_accum:
+            raise ConfigError(
+                f"the train split of {where} has {samples} samples, fewer than one step of "
+                f"data.global_batch_size={cfg.data.global_batch_size} over {workers} worker(s); "
+                "lower data.global_batch_size or add data"
+            )
+    elif samples < workers:
+        raise ConfigError(f"the {split} split of {where} has {samples} samples, fewer than the {workers} workers")
+
+
+# ------------------------------------------------------------------ resources
+@dataclass(frozen=True)
+class Cluster:
+    """What the resource check needs to know of a Ray cluster."""
+
+    nodes: list[Bundle]  # every alive node's total resources
+    available: Bundle  # free now, over the whole cluster
+    ceiling: Bundle | None  # the most an autoscaler may ever provide (None: no autoscaler)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``now``: starts at once; ``busy``: waits for resources other work holds; ``later``: waits for
+    the autoscaler; ``never``: cannot run on this cluster."""
+
+    verdict: str
+    message: str
+
+
+def worker_bundle(scaling: dict[str, Any]) -> Bundle:
+    """One worker's resources from ``ScalingConfig`` arguments, as Ray Train reserves them."""
+    bundle = {name: float(amount) for name, amount in scaling["resources_per_worker"].items() if amount}
+    if scaling.get("use_gpu"):
+        bundle.setdefault("GPU", 1.0)
+    return bundle
+
+
+def pack(bundles: Sequence[Bundle], capacities: Sequence[Bundle]) -> bool:
+    """Whether ``bundles`` fit on the nodes' ``capacities`` (first fit, largest bundles first)."""
+    free = [dict(node) for node in capacities]
+    for bundle in sorted(bundles, key=lambda b: sorted(b.items()), reverse=True):
+        node = next((n for n in free if all(n.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items())), None)
+        if node is None:
+            return False
+        for key, value in bundle.items():
+            node[key] = node.get(key, 0.0) - value
+    return True
+
+
+def total(bundles: Sequence[Bundle]) -> Bundle:
+    summed: Bundle = {}
+    for bundle in bundles:
+        for key, value in bundle.items():
+            summed[key] = summed.get(key, 0.0) + value
+    return summed
+
+
+def describe(bundle: Bundle) -> str:
+    return ", ".join(f"{value:g} {key}" for key, value in sorted(bundle.items()) if value) or "nothing"
+
+
+def fit(bundles: Sequence[Bundle], cluster: Cluster, what: str) -> Fit:
+    """Compare a run's demand (one bundle per worker, plus a driver's) with the cluster."""
+    need = total(bundles)
+    have = total(cluster.nodes)
+    if pack(bundles, cluster.nodes):
+        if all(cluster.available.get(k, 0.0) + 1e-9 >= v for k, v in need.items()):
+            return Fit("now", "")
+        free = {k: v for k, v in cluster.available.items() if k in need}
+        return Fit("busy", f"waiting for {describe(need)} held by other work (free now: {describe(free)})")
+    if cluster.ceiling is not None and all(cluster.ceiling.get(k, 0.0) >= v for k, v in need.items()):
+        return Fit(
+            "later",
+            f"waiting for the autoscaler to add nodes for {what} ({describe(need)}; the cluster "
+            f"has {describe(have)} now)",
+        )
+    nodes = len(cluster.nodes)
+    short = [key for key, value in need.items() if have.get(key, 0.0) + 1e-9 < value]
+    if short:
+        return Fit(
+            "never",
+            f"{what} needs {describe(need)} but the cluster has {describe(have)} on {nodes} "
+            f"node(s); {remedy(short[0], have.get(short[0], 0.0))}",
+        )
+    largest = {key: max((n.get(key, 0.0) for n in cluster.nodes), default=0.0) for key in need}
+    return Fit(
+        "never",
+        f"{what} needs {describe(need)}: the cluster's {nodes} node(s) have that in all but no "
+        f"worker's share fits on one node (the largest node: {describe(largest)}); "
+        f"{remedy(sorted(need)[0])}",
+    )
+
+
+def remedy(resource: str, have: float = 1.0) -> str:
+    if resource == "GPU":
+        lacking = "no GPU" if not have else "too few GPUs"
+        return f"the cluster has {lacking}: use scaling.runtime=auto (or cpu), or fewer scaling.num_workers"
+    if resource == "TPU":
+        lacking = "no TPU" if not have else "too few TPU chips"
+        return (
+            f"the cluster has {lacking}: start Ray on the TPU hosts, or match scaling.tpu and num_workers to the slice"
+        )
+    if resource == "CPU":
+        return "use fewer workers (scaling.num_workers) or a smaller scaling.cpus_per_worker"
+    return f"remove {resource} from scaling.resources_per_worker or add nodes that have it"
+
+
+def read_cluster() -> Cluster:
+    """The connected cluster: alive nodes' totals, what is free, and an autoscaler's ceiling."""
+    import ray
+    from ray._private.state import state
+
+    nodes = [
+        {k: float(v) for k, v in node["Resources"].items() if k in CHECKED or k.startswith(("accelerator", "TPU-"))}
+        for node in ray.nodes()
+        if node.get("Alive")
+    ]
+    try:
+        ceiling = state.get_max_resources_from_cluster_config()
+    except Exception:  # no autoscaler state on this cluster
+        ceiling = None
+    return Cluster(nodes, {k: float(v) for k, v in ray.available_resources().items()}, ceiling or None)
+
+
+def check_fit(bundles: Sequence[Bundle], what: str, cluster: Cluster | None = None) -> Fit:
+    """Refuse a demand the cluster can never meet; say so when it has to wait."""
+    result = fit(bundles, cluster or read_cluster(), what)
+    if result.verdict == "never":
+        raise ConfigError(result.message)
+    if result.message:
+        print(f"raytpu: {result.message}", flush=True)
+    return result
+
+
+def concurrent_fits(trial: Sequence[Bundle], nodes: Sequence[Bundle], limit: int = 64) -> int:
+    """How many trials with the bundles ``trial`` fit on ``nodes`` at once (at least 1)."""
+    count = 1
+    while count < limit and pack(list(trial) * (count + 1), nodes):
+        count += 1
+    return count

@@ -1,0 +1,248 @@
+"""The :class:`Runtime` interface and the device policies (runtime, precision, BatchNorm scope)
+as pure functions, so that they are tested without any device."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def pick_runtime(requested: str, tpu_present: bool, cuda_present: bool) -> str:
+    """``auto`` -> xla if a TPU is present, else cuda if a GPU is, else cpu."""
+    if requested != "auto":
+        return requested
+    if tpu_present:
+        return "xla"
+    return "cuda" if cuda_present else "cpu"
+
+
+def resolve_precision(runtime: str, requested: str, bf16_supported: bool = True) -> tuple[str, str | None]:
+    """Return ``(precision, warning)`` for a runtime: the precision policy.
+
+    auto: bf16 on xla, fp16 (with GradScaler) on cuda, fp32 on cpu. fp16 asked
+    on xla becomes bf16 with a warning (TPUs have no fp16 autocast); fp16 on cpu
+    becomes fp32; bf16 on a GPU without bf16 becomes fp16.
+    """
+    if requested == "auto":
+        return {"xla": "bf16", "cuda": "fp16", "cpu": "fp32"}[runtime], None
+    if runtime == "xla" and requested == "fp16":
+        return "bf16", "precision fp16 is not supported on XLA/TPU; using bf16 instead"
+    if runtime == "cpu" and requested == "fp16":
+        return "fp32", "precision fp16 needs a GPU; using fp32 on the cpu runtime"
+    if runtime == "cuda" and requested == "bf16" and not bf16_supported:
+        return "fp16", "this GPU has no bf16 support; using fp16 with a gradient scaler"
+    return requested, None
+
+
+def batchnorm_scope(runtime: str, requested: str, spmd: bool, world_size: int) -> str:
+    """Where BatchNorm takes its training statistics (``loop.sync_batchnorm``): ``"global"``, the
+    whole global batch, or ``"local"``, each worker's slice of it.
+
+    * xla with SPMD: always global (the batch is one sharded tensor; XLA reduces the statistics);
+    * xla with one device per worker: local (cross-worker BatchNorm is not offered there);
+    * cuda: ``auto`` / ``true`` -> global with ``torch.nn.SyncBatchNorm``; ``false`` -> local;
+    * cpu: ``true`` -> global with :class:`~raytpu.runtime.batchnorm.GlobalBatchNorm` (one gloo
+      all-reduce per layer); ``auto`` / ``false`` -> local, the cheaper choice on CPU.
+
+    One worker holding the whole batch is global whatever is asked.
+    """
+    if runtime == "xla" and spmd:
+        return "global"
+    if world_size == 1:
+        return "global"
+    if runtime == "xla":
+        if requested == "true":
+            raise ValueError(
+                "loop.sync_batchnorm=true needs xla.spmd=true on XLA (with one device per worker each "
+                "normalises its own slice); or set loop.sync_batchnorm=auto"
+            )
+        return "local"
+    if requested == "true" or (requested == "auto" and runtime == "cuda"):
+        return "global"
+    return "local"
+
+
+def tpu_present() -> bool:
+    """A TPU VM, told by its device files or env, without initialising torch_xla."""
+    if os.environ.get("PJRT_DEVICE", "").upper() == "TPU" or os.environ.get("TPU_ACCELERATOR_TYPE"):
+        return True
+    return any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0"))
+
+
+class RecompileError(RuntimeError):
+    """A training step recompiled its XLA graph after warm-up, with ``xla.strict_recompile`` on."""
+
+
+class Runtime:
+    """One worker's device, precision and data-parallel plumbing."""
+
+    name = "base"
+    #: steps are traced and compiled (XLA): every step should run the same graph
+    static_graph = False
+
+    def __init__(self, precision: str, world_size: int, rank: int, local_rank: int) -> None:
+        self.precision = precision
+        self.world_size = world_size
+        self.rank = rank
+        self.local_rank = local_rank
+        self.device = torch.device("cpu")
+
+    # ------------------------------------------------------------- topology
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shards the dataset is split into (one per worker)."""
+        return self.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def local_devices(self) -> int:
+        """Devices this worker drives (its share of the batch is split over them)."""
+        return 1
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether data loaders should pin host memory for copies to this device."""
+        return False
+
+    # --------------------------------------------------------------- model
+    def prepare_model(
+        self, model: nn.Module, find_unused_parameters: bool = False, sync_batchnorm: str = "auto"
+    ) -> nn.Module:
+        """The model on this worker's device, wrapped for data parallelism; BatchNorm layers take
+        their statistics as :func:`batchnorm_scope` says for ``sync_batchnorm``."""
+        return model.to(self.device)
+
+    def track_unused_parameters(self, model: nn.Module, unused: bool) -> nn.Module:
+        """The model wrapped to look for parameters without gradient exactly when ``unused``
+        (DDP: re-wrapped when that changes, at an epoch start)."""
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return getattr(model, "module", model)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def compiled_step(self) -> contextlib.AbstractContextManager:
+        """Context of one training step (XLA traces it as one graph)."""
+        return contextlib.nullcontext()
+
+    def no_sync(self, model: nn.Module, skip: bool) -> contextlib.AbstractContextManager:
+        """Skip the gradient all-reduce on accumulation micro-steps."""
+        if skip and hasattr(model, "no_sync"):
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    # ---------------------------------------------------------------- step
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
+    ) -> torch.Tensor:
+        """Clip (if ``max_norm``), step, and return the pre-clip gradient norm (a tensor)."""
+        norm = clip_or_measure(params, max_norm)
+        optimizer.step()
+        return norm
+
+    def mark_step(self) -> None:
+        """End of a training step (XLA: cut and run the graph)."""
+
+    def add_step_closure(self, fn: Callable[..., None], args: tuple = ()) -> None:
+        """Run ``fn(*args)`` once the step's tensors are computed."""
+        fn(*args)
+
+    def device_loader(self, loader: Iterable, sample: dict[str, torch.Tensor] | None = None) -> Iterator:
+        for batch in loader:
+            yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    # ----------------------------------------------------------- reductions
+    def all_reduce_sum(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Sum statistics over workers; returns CPU float64 tensors."""
+        reduced = {k: v.detach().to("cpu", torch.float64) for k, v in totals.items()}
+        if self.world_size > 1 and dist.is_initialized():
+            for key in sorted(reduced):
+                tensor = reduced[key].to(self.collective_device)
+                dist.all_reduce(tensor)
+                reduced[key] = tensor.cpu()
+        return reduced
+
+    @torch.no_grad()
+    def broadcast_buffers(self, model: nn.Module) -> None:
+        """Give every worker rank 0's buffers (BatchNorm statistics drift apart
+        between DDP forwards), so that all workers evaluate the same model."""
+        if self.world_size <= 1 or not dist.is_initialized():
+            return
+        for buffer in model.buffers():
+            shared = buffer.detach().to(self.collective_device)
+            dist.broadcast(shared, src=0)
+            buffer.copy_(shared.to(buffer.device))
+
+    @property
+    def collective_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    # ---------------------------------------------------------- state / rng
+    def rng_state(self) -> dict[str, Any]:
+        return {"torch": torch.get_rng_state()}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+
+    def seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def scaler_state(self) -> dict[str, Any] | None:
+        """Loss-scaler state for checkpoints (fp16 only)."""
+        return None
+
+    def load_scaler_state(self, state: dict[str, Any] | None) -> None:
+        """Restore :meth:`scaler_state`."""
+
+    def to_cpu(self, obj: Any) -> Any:
+        """Copy tensors (nested in dicts/lists) to the CPU, e.g. for a checkpoint."""
+        if isinstance(obj, torch.Tensor):
+            return obj.detach().cpu()
+        if isinstance(obj, dict):
+            return {k: self.to_cpu(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.to_cpu(v) for v in obj)
+        return obj
+
+    def begin_step(self) -> None:
+        """Start of a training step (XLA notes the compile count)."""
+
+    def end_step(self, step: int, steps_into_epoch: int) -> str | None:
+        """End of a training step, its graph run: a warning text when something went wrong
+        (XLA: a recompile after warm-up), else ``None``; may raise :class:`RecompileError`."""
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """Backend counters worth logging (XLA compiles...)."""
+        return {}
+
+    def finish(self) -> None:
+        """End of training: print reports, release resources."""
+
+
+def clip_or_measure(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Total gradient norm of ``params`` (a tensor, no host sync); clips in place when ``max_norm > 0``."""
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=None)
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=None)

@@ -1,0 +1,224 @@
+"""A user's mistakes end in one ``raytpu: error:`` line and exit 2, fast, with no traceback and
+nothing lost: every case below points at the same earlier run, whose files must stay unchanged.
+
+Most cases go through ``raytpu.cli.main()`` in this process; the ones that need a cluster use
+the session's local Ray instance (2 CPUs, no GPU); a few go through the real ``raytpu``
+executable, as a user types them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from raytpu import cli
+from raytpu.checkpoint import LocalReporter
+from raytpu.config import load_config
+from raytpu.loop import Trainer
+from raytpu.runtime import make_runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = str(ROOT / "jobs/mshnet/small.yaml")
+RAYTPU = str(Path(sys.executable).with_name("raytpu"))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """An IRSTD-format data set, an earlier run with a checkpoint, and files to misuse."""
+    from jobs.mshnet.synth import synthesize
+
+    base = tmp_path_factory.mktemp("bad-input")
+    data = base / "mshnet"
+    synthesize(data, n=24, size=32, seed=0)
+    storage = base / "results"
+    earlier = storage / "earlier"
+    cfg, job = load_config(None, ["job.name=tests.toy_job", "loop.epochs=1", "logging.progress_bar=false"])
+    Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), earlier, earlier, LocalReporter(earlier)).fit()
+    junk = base / "junk.pt"
+    junk.write_text("not a checkpoint")
+    (base / "broken.yaml").write_text("job: {name: mshnet}\nloop:\n  epochs: [1, 2\n")
+    corrupt = base / "corrupt"
+    shutil.copytree(data, corrupt)
+    first = (corrupt / "trainval.txt").read_text().split()[0]
+    (corrupt / "images" / f"{first}.png").write_bytes(b"\x89PNG truncated")
+    no_list = base / "no-list"
+    shutil.copytree(data, no_list)
+    (no_list / "trainval.txt").unlink()
+    cdeit = base / "cdeit"
+    for split in ("train", "valid", "test"):
+        (cdeit / split).mkdir(parents=True)
+        for index in range(4):
+            arrays = {"xs": np.zeros((32, 32), np.float32), "ys": np.zeros((208, 1), np.float32)}
+            np.savez(cdeit / split / f"{index}.npz", TR=np.zeros((32, 32), np.float32), **arrays)
+    torch.save(torch.ones(208), cdeit / "std.pth")
+    (cdeit / "mean.pth").write_text("garbage")
+    return {"base": base, "data": data, "storage": storage, "earlier": earlier, "junk": junk, "corrupt": corrupt}
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def common(world) -> list[str]:
+    """Overrides that aim every command at the earlier run's folder and the small data set."""
+    return [f"run.storage_path={world['storage']}", "run.name=earlier", f"data.path={world['data']}"]
+
+
+def with_overrides(argv: list[str], overrides: list[str]) -> list[str]:
+    """``overrides`` right after the config of a train/test/tune command, before the case's own words."""
+    if len(argv) < 2 or argv[0] not in ("train", "test", "tune"):
+        return argv
+    return [*argv[:2], *overrides, *argv[2:]]
+
+
+def assert_one_error_line(code: int, out: str, err: str, expected: str) -> None:
+    errors = [line for line in err.splitlines() if line.startswith("raytpu: error:")]
+    assert code == 2, (code, out[-2000:], err[-2000:])
+    assert len(errors) == 1, err
+    assert expected in errors[0], errors[0]
+    assert "Traceback" not in out + err, err
+
+
+CASES = {  # name: (argv after `raytpu`, text the error line must contain)
+    "negative epochs": (["train", SMALL, "loop.epochs=-3"], "loop.epochs must be at least 1, got -3"),
+    "nan lr": (["train", SMALL, "optim.lr=nan"], "optim.lr must be a finite number"),
+    "zero lr": (["train", SMALL, "--lr", "0"], "optim.lr must be greater than 0"),
+    "override without value": (["train", SMALL, "optim.lr="], "has no value; write optim.lr=VALUE"),
+    "zero batch": (["train", SMALL, "data.global_batch_size=0"], "data.global_batch_size must be at least 1"),
+    "batch not divisible": (["train", SMALL, "--batch-size", "7"], "use a multiple of 2"),
+    "no workers": (["train", SMALL, "num_workers=0"], "scaling.num_workers must be at least 1"),
+    "unknown runtime": (["train", SMALL, "runtime=tpu"], "scaling.runtime='tpu' is not one of auto, cpu, cuda, xla"),
+    "unknown precision": (["train", SMALL, "precision=fp8"], "scaling.precision='fp8' is not one of"),
+    "unknown loader": (["train", SMALL, "data.loader=spark"], "data.loader='spark' is not one of torch, ray"),
+    "unknown scheduler": (["train", SMALL, "optim.scheduler=step"], "optim.scheduler='step' is not one of"),
+    "negative max_steps": (["train", SMALL, "loop.max_steps=-1"], "loop.max_steps must be at least 0"),
+    "negative weight decay": (["train", SMALL, "optim.weight_decay=-0.1"], "optim.weight_decay must be at least 0"),
+    "ema beta of 1.5": (["train", SMALL, "loop.ema_beta=1.5"], "loop.ema_beta must be below 1"),
+    "misspelt key": (["train", SMALL, "optim.lrr=0.1"], "unknown config key 'optim.lrr'; did you mean optim.lr"),
+    "misspelt flag": (["train", SMALL, "--batch-sise", "3"], "unknown flag --batch-sise; did you mean --batch-size"),
+    "flag without value": (["train", SMALL, "--lr"], "flag --lr needs a value"),
+    "not key=value": (["train", SMALL, "nonsense"], "is not key=value"),
+    "job setting": (["train", SMALL, "job.base_size=60"], "must be positive multiples of 16"),
+    "missing config file": (["train", "jobs/mshnet/nope.yaml"], "config file 'jobs/mshnet/nope.yaml' not found"),
+    "unknown subcommand": (["trian", SMALL], "invalid choice: 'trian'"),
+    "train without config": (["train"], "the following arguments are required: config"),
+    "test without weights": (["test", SMALL], "test mode needs weights"),
+    "synth without --out": (["data", "synth", "mshnet"], "data synth needs --out DIR"),
+    "synth unknown option": (["data", "synth", "mshnet", "--out", "/tmp/x", "--bogus", "3"], "unknown option --bogus"),
+    "unknown search domain": (["tune", SMALL, "--search", "optim.lr=normal(0,1)"], "unknown domain 'normal'"),
+    "negative concurrency": (
+        ["tune", SMALL, "--search", "optim.lr=choice(0.1)", "--max-concurrent", "-1"],
+        "tune.max_concurrent must be at least 0",
+    ),
+    "nothing listens at the address": (["train", SMALL, "--address", "127.0.0.1:1"], "no Ray cluster answers at"),
+    "dashboard address for train": (["train", SMALL, "--address", "http://127.0.0.1:8265"], "dashboard address"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mistakes_in_the_command_or_config(world, capsys, name):
+    argv, expected = CASES[name]
+    before = snapshot(world["earlier"])
+    code = cli.main(with_overrides(argv, common(world)))
+    captured = capsys.readouterr()
+    assert_one_error_line(code, captured.out, captured.err, expected)
+    assert snapshot(world["earlier"]) == before
+
+
+def file_cases(world) -> dict[str, tuple[list[str], str]]:
+    base, junk = world["base"], world["junk"]
+    return {
+        "yaml syntax error": (["train", str(base / "broken.yaml")], f"{base / 'broken.yaml'}:4:1: YAML syntax error"),
+        "data path is a file": (["train", SMALL, f"data.path={junk}"], "is not a folder"),
+        "batch larger than the train split": (
+            ["train", SMALL, "data.global_batch_size=32"],
+            "has 19 samples, fewer than one step of data.global_batch_size=32",
+        ),
+        "corrupt first image": (["train", SMALL, f"data.path={world['corrupt']}"], "cannot read this image"),
+        "missing list file": (["train", SMALL, f"data.path={base / 'no-list'}"], "trainval.txt is missing"),
+        "junk checkpoint": (["test", SMALL, "--checkpoint", str(junk)], "neither a checkpoint directory nor a weights"),
+        "folder that is no checkpoint": (["test", SMALL, "--checkpoint", str(base)], "is not a raytpu checkpoint"),
+        "storage path is a file": (["train", SMALL, f"run.storage_path={junk}"], "run.storage_path"),
+        "corrupt statistics file": (
+            ["train", str(ROOT / "jobs/cdeit/small.yaml"), f"data.path={base / 'cdeit'}", "data.global_batch_size=2"],
+            "mean.pth: not a statistics tensor",
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "yaml syntax error",
+        "data path is a file",
+        "batch larger than the train split",
+        "corrupt first image",
+        "missing list file",
+        "junk checkpoint",
+        "folder that is no checkpoint",
+        "storage path is a file",
+        "corrupt statistics file",
+    ],
+)
+def test_mistakes_in_files_and_paths(world, capsys, name):
+    argv, expected = file_cases(world)[name]
+    before = snapshot(world["earlier"])
+    overrides = [o for o in common(world) if not any(o.split("=")[0] + "=" in a for a in argv)]
+    code = cli.main(with_overrides(argv, overrides))
+    captured = capsys.readouterr()
+    assert_one_error_line(code, captured.out, captured.err, expected)
+    assert snapshot(world["earlier"]) == before
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["scaling.runtime=cuda"], "needs 2 CPU, 2 GPU but the cluster has 2 CPU"),
+        (["scaling.num_workers=4", "data.global_batch_size=16"], "needs 4 CPU but the cluster has 2 CPU"),
+        (["scaling.cpus_per_worker=3"], "use fewer workers (scaling.num_workers) or a smaller"),
+    ],
+    ids=["no GPU", "too many workers", "too many CPUs per worker"],
+)
+def test_resources_the_cluster_does_not_have(world, ray_session, capsys, overrides, expected):
+    before = snapshot(world["earlier"])
+    start = time.monotonic()
+    code = cli.main(["train", SMALL, *common(world), *overrides])
+    captured = capsys.readouterr()
+    assert_one_error_line(code, captured.out, captured.err, expected)
+    assert time.monotonic() - start < 30
+    assert snapshot(world["earlier"]) == before
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["trian", SMALL], "invalid choice"),
+        (["train", SMALL, "loop.epochs=-3"], "loop.epochs must be at least 1"),
+        (["train", SMALL, "--address", "127.0.0.1:1"], "no Ray cluster answers at 127.0.0.1:1"),
+        (["test", SMALL, "--checkpoint", "JUNK"], "neither a checkpoint directory nor a weights file"),
+        (["train", SMALL, "scaling.runtime=cuda"], "the cluster has no GPU"),
+    ],
+    ids=["unknown subcommand", "negative epochs", "unreachable address", "junk checkpoint", "no GPU"],
+)
+def test_the_raytpu_executable(world, argv, expected):
+    """As typed in a shell (the last one starts its own local Ray instance)."""
+    argv = [str(world["junk"]) if a == "JUNK" else a for a in argv]
+    before = snapshot(world["earlier"])
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    start = time.monotonic()
+    done = subprocess.run(
+        [RAYTPU, *with_overrides(argv, common(world))], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert time.monotonic() - start < 30
+    assert_one_error_line(done.returncode, done.stdout, done.stderr, expected)
+    assert snapshot(world["earlier"]) == before

@@ -1,0 +1,53 @@
+"""``raytpu train --local``: 2 local processes over gloo, no Ray. The run folder holds the same
+checkpoint directories as a Ray run, a failed rank ends the run with one closing line, and the
+same command resumes it to the same weights as an uninterrupted run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from raytpu import cli
+
+COMMON = [
+    "scaling.num_workers=2",
+    "data.global_batch_size=8",
+    "loop.epochs=2",
+    "checkpoint.every_steps=3",
+    "logging.progress_bar=false",
+]
+
+
+def train(tmp_path: Path, name: str, *extra: str) -> int:
+    config = tmp_path / "toy.yaml"
+    config.write_text(f"job: {{name: tests.toy_job, samples: 32}}\ndata: {{path: {tmp_path}}}\n")
+    return cli.main(
+        ["train", "--local", str(config), *COMMON, f"run.storage_path={tmp_path}", f"run.name={name}", *extra]
+    )
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    latest = sorted(p for p in run_dir.iterdir() if p.name.startswith("checkpoint_"))[-1]
+    return load_file(latest / "model.safetensors")
+
+
+def test_two_local_processes_train_fail_resume_and_match(tmp_path, capfd):
+    assert train(tmp_path, "straight") == 0
+    out = capfd.readouterr().out
+    run_dir = tmp_path / "straight"
+    assert f"best checkpoint:   {run_dir}/checkpoint_" in out
+    kept = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("checkpoint_"))
+    assert len(kept) <= 3 and kept[-1] == "checkpoint_00000008"  # the 2 best by valid/mse and the latest
+    latest = run_dir / kept[-1]
+    assert {p.name for p in (latest / "rng").iterdir()} == {"rank_0.pt", "rank_1.pt"}  # both ranks' files
+
+    assert train(tmp_path, "resumed", "loop.fail_at_step=5") == 1
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("raytpu: error: rank ") and "fault injected" in err[-1], err[-5:]
+    assert train(tmp_path, "resumed") == 0
+    assert "resumed from" in capfd.readouterr().out
+    straight, resumed = weights(run_dir), weights(tmp_path / "resumed")
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
