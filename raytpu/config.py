@@ -96,8 +96,11 @@ class LoopConfig:
     max_steps: int = 0  # 0 = epochs * steps per epoch
     grad_accum: int = 1
     clip_grad_norm: float = 0.0  # 0 = no clipping
-    ema_beta: float = 0.0  # 0 = no EMA of the weights
-    ema_every: int = 1
+    ema_beta: float = 0.0  # 0 = no EMA of the weights; else the decay it reaches
+    ema_every: int = 1  # steps between EMA updates
+    ema_update_after: int = 100  # steps during which the EMA copies the weights (ema_pytorch's default)
+    ema_warmup: bool = True  # ramp the decay as 1 - (1 + n)^-ema_power up to ema_beta (false: ema_beta at once)
+    ema_power: float = 2 / 3
     log_every: int = 10
     eval_every_epochs: int = 1
     sync_batchnorm: str = "auto"  # auto | true | false: BatchNorm statistics over the global batch (see README)

@@ -29,7 +29,7 @@ from raytpu.config import Config, to_dict
 from raytpu.data import WorkerData, make_worker_data
 from raytpu.job import Batch, Job, StepContext
 from raytpu.logger import RunLogger, watch_grad_norm
-from raytpu.optim import EMA, build_optimizer, build_scheduler
+from raytpu.optim import EMA, EMASchedule, build_optimizer, build_scheduler
 from raytpu.runtime.base import Runtime
 
 
@@ -115,10 +115,8 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg.optim, self.params)
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
-        self.ema = EMA(rt.unwrap(self.model), cfg.loop.ema_beta) if cfg.loop.ema_beta else None
-        self._ema_weights = {
-            due: torch.tensor(1.0 - cfg.loop.ema_beta if due else 0.0, device=rt.device) for due in (False, True)
-        }
+        self.ema = EMA(rt.unwrap(self.model)) if cfg.loop.ema_beta else None
+        self.ema_schedule = EMASchedule.from_loop(cfg.loop)
         self.nonfinite = torch.zeros((), device=rt.device)
         self._reset_loss_since_report()
 
@@ -234,7 +232,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if self.ema is not None:
-            self._update_ema((p.step + 1) % cfg.loop.ema_every == 0)
+            self._update_ema(self.ema_schedule.weight(p.step))
         loss_mean = loss_sum.float() / accum
         self._loss_since_report = self._loss_since_report + loss_mean
         self._steps_since_report += 1
@@ -243,14 +241,15 @@ class Trainer:
         self._stats = torch.stack([loss_mean, grad_norm.float(), self.nonfinite, *extras.values()])
         self._stat_names = ["loss", "grad_norm", "nonfinite", *extras]
 
-    def _update_ema(self, due: bool) -> None:
-        """EMA every ``loop.ema_every`` steps; on static-graph runtimes (XLA) every step
-        updates, with weight 0 when not due, so that one compiled step serves all."""
+    def _update_ema(self, weight: float) -> None:
+        """The EMA update of this step (``weight`` 0: none is due). On static-graph runtimes (XLA)
+        every step updates, with the weight as a tensor input of the graph (0 when not due), so
+        that one compiled step serves every step of the schedule."""
         model = self.runtime.unwrap(self.model)
         if self.runtime.static_graph:
-            self.ema.update(model, self._ema_weights[due])
-        elif due:
-            self.ema.update(model)
+            self.ema.update(model, torch.tensor(weight).to(self.runtime.device))
+        elif weight:
+            self.ema.update(model, weight)
 
     def _log(self, stats: torch.Tensor, step: int, lr: float) -> None:
         """The step closure of a log step: its values, read back once the step's graph ran."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from raytpu.config import OptimConfig
+from raytpu.config import LoopConfig, OptimConfig
 
 
 def build_optimizer(cfg: OptimConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -49,6 +50,41 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, total_steps))
 
 
+@dataclass(frozen=True)
+class EMASchedule:
+    """How much of the current weights each training step mixes into the EMA.
+
+    The step counter is ``ema_pytorch``'s (the schedule CDEIT's authors train with): an update
+    is due every ``every`` steps; up to ``update_after`` steps it copies the weights; then, with
+    ``warmup``, the decay ramps as ``1 - (1 + n) ** -power`` (n = steps past ``update_after + 1``)
+    up to ``beta``, so that a short run's EMA follows its weights instead of the initial ones;
+    without it the decay is ``beta`` at once.
+    """
+
+    beta: float
+    every: int = 1
+    update_after: int = 0
+    warmup: bool = False
+    power: float = 2 / 3
+
+    @classmethod
+    def from_loop(cls, loop: LoopConfig) -> EMASchedule:
+        return cls(loop.ema_beta, loop.ema_every, loop.ema_update_after, loop.ema_warmup, loop.ema_power)
+
+    def decay(self, step: int) -> float:
+        """The decay of an update at ``step`` (0-based, counting every training step); 0 = copy."""
+        if step <= self.update_after:
+            return 0.0
+        if not self.warmup:
+            return self.beta
+        past = step - self.update_after - 1
+        return 0.0 if past <= 0 else min(1.0 - (1.0 + past) ** -self.power, self.beta)
+
+    def weight(self, step: int) -> float:
+        """The weight of the current weights in the EMA after ``step``: 0 when no update is due."""
+        return 0.0 if step % self.every else 1.0 - self.decay(step)
+
+
 class EMA:
     """Exponential moving average of a model's weights.
 
@@ -57,13 +93,12 @@ class EMA:
     (0 on steps that skip the update) every step runs the same graph on XLA.
     """
 
-    def __init__(self, model: nn.Module, beta: float) -> None:
-        self.beta = beta
+    def __init__(self, model: nn.Module) -> None:
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
 
     @torch.no_grad()
-    def update(self, model: nn.Module, weight: float | torch.Tensor | None = None) -> None:
-        weight = 1.0 - self.beta if weight is None else weight
+    def update(self, model: nn.Module, weight: float | torch.Tensor) -> None:
+        """``ema += weight * (model - ema)`` for every parameter; buffers are copied."""
         ema_params = list(self.model.parameters())
         params = [p.detach() for p in model.parameters()]
         if isinstance(weight, torch.Tensor):

@@ -47,6 +47,8 @@ LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "loop.clip_grad_norm": (0, True),
     "loop.ema_beta": (0, True),
     "loop.ema_every": (1, True),
+    "loop.ema_update_after": (0, True),
+    "loop.ema_power": (0, False),
     "loop.log_every": (1, True),
     "loop.eval_every_epochs": (1, True),
     "loop.grad_norm_warn_high": (0, False),

@@ -56,10 +56,21 @@ def worker(rank: int, port: int, queue: mp.Queue) -> None:
     x = x[half].requires_grad_(True)
     out = net(x)
     (out - target[half]).square().sum().backward()
-    grads = {name: p.grad for name, p in net.named_parameters()}
-    queue.put((rank, out.detach(), x.grad, grads, net[1].running_mean, net[1].running_var))
+    grads = {name: p.grad.numpy() for name, p in net.named_parameters()}
+    stats = net[1].running_mean.numpy(), net[1].running_var.numpy()
+    # numpy arrays travel by value; tensors would be shared through file descriptors that
+    # vanish when this process exits before the test reads them
+    queue.put((rank, out.detach().numpy(), x.grad.numpy(), grads, *stats))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def as_tensors(value):
+    if isinstance(value, dict):
+        return {key: torch.from_numpy(array) for key, array in value.items()}
+    if isinstance(value, tuple):
+        return tuple(as_tensors(item) for item in value)
+    return torch.from_numpy(value)
 
 
 def free_port() -> int:
@@ -81,7 +92,7 @@ def test_global_batchnorm_on_two_gloo_workers_equals_one_process_with_the_whole_
     processes = [context.Process(target=worker, args=(rank, port, queue)) for rank in range(2)]
     for process in processes:
         process.start()
-    results = dict((item[0], item[1:]) for item in (queue.get(timeout=120) for _ in processes))
+    results = {item[0]: as_tensors(item[1:]) for item in (queue.get(timeout=120) for _ in processes)}
     for process in processes:
         process.join(timeout=60)
     torch.testing.assert_close(torch.cat([results[0][0], results[1][0]]), out.detach(), rtol=1e-5, atol=1e-5)

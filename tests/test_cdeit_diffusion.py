@@ -42,12 +42,17 @@ def test_q_sample_statistics() -> None:
     assert torch.allclose(at_zero, x0 * (1 - 1e-4) ** 0.5)
 
 
-def test_l1_loss_on_x0_prediction() -> None:
+def test_l1_and_mse_losses_on_x0_prediction() -> None:
     x0 = torch.randn(4, 1, 8, 8)
     t = torch.tensor([1, 2, 3, 4])
     assert DIFFUSION.training_loss(lambda x, tt, y: x0, x0, torch.zeros(4, 1, 16, 16), t, torch.randn_like(x0)) == 0
-    loss = DIFFUSION.training_loss(lambda x, tt, y: x0 + 0.25, x0, torch.zeros(4, 1, 16, 16), t, torch.randn_like(x0))
-    assert loss.item() == pytest.approx(0.25)
+    off = lambda x, tt, y: x0 + 0.25  # noqa: E731
+    assert DIFFUSION.training_loss(off, x0, torch.zeros(4, 1, 16, 16), t, torch.randn_like(x0)).item() == (
+        pytest.approx(0.25)
+    )
+    assert DIFFUSION.training_loss(off, x0, torch.zeros(4, 1, 16, 16), t, torch.randn_like(x0), "mse").item() == (
+        pytest.approx(0.0625)
+    )
 
 
 def test_sampler_timesteps() -> None:

@@ -42,7 +42,7 @@ def test_seed_flags_and_pickling() -> None:
 
 
 def test_train_and_eval_steps(data_root: Path) -> None:
-    cfg = config(f"data.path={data_root}")
+    cfg = config(f"data.path={data_root}", "job.loss=l1")
     torch.manual_seed(0)
     model = JOB.build_model(cfg)
     batch = default_collate([JOB.build_dataset(cfg, "train", data_root)[i] for i in range(4)])
@@ -56,10 +56,17 @@ def test_train_and_eval_steps(data_root: Path) -> None:
         images = JOB.eval_images(model, batch, ctx)
     totals = {k: v + v for k, v in stats.items()}  # as if summed over two workers
     metrics = JOB.finish_eval(totals)
-    assert set(metrics) == {"val_l1"} and metrics["val_l1"] == pytest.approx(float(stats["l1_sum"]) / 4)
+    assert set(metrics) == {"val_loss", "val_l1", "val_mse"}
+    assert metrics["val_l1"] == pytest.approx(float(stats["l1_sum"]) / 4) == metrics["val_loss"]  # job.loss=l1
+    assert metrics["val_mse"] == pytest.approx(float(stats["mse_sum"]) / 4)
+    mse_ctx = StepContext(epoch=0, step=0, training=False, config=config(f"data.path={data_root}", "job.loss=mse"))
+    with torch.no_grad():
+        torch.manual_seed(1)
+        mse_stats = JOB.eval_step(model, batch, mse_ctx)
+    assert mse_stats["loss_sum"] == mse_stats["mse_sum"]
     assert images["truth_tr_prediction"].shape == (4, 1, 32, 96)
     assert float(images["truth_tr_prediction"].min()) >= 0 and float(images["truth_tr_prediction"].max()) <= 1
-    assert JOB.main_metric == "val_l1" and JOB.main_metric_mode == "min"
+    assert JOB.main_metric == "val_loss" and JOB.main_metric_mode == "min"
 
 
 def test_reconstruction_metrics() -> None:

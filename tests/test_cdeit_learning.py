@@ -1,12 +1,12 @@
-"""Does CDEIT small learn in a short CPU run? Trained in-process on one worker, then
-sampled in test mode and compared with the trivial baselines on the same test set.
+"""Does CDEIT small's recipe learn in a short CPU run? Trained in-process on one worker, then
+sampled in test mode and compared with predicting all zeros on the same test images.
 
-What is asserted is what a short run reliably shows: the simulated data carry the
-signal (the Tikhonov ``TR`` image beats all-zeros), training lowers the validation
-L1 (at random t) to the level of predicting the background, and sampling stays sane
-(no worse than all-zeros). Whether the sampled images beat all-zeros and ``TR`` is
-recorded, not asserted: measured here, 72 steps learn the background and no more
-(model RMSE 0.2194 = all-zeros 0.2194, TR 0.1998); so do 192 steps.
+The recipe of ``jobs/cdeit/small.yaml`` (MSE on the x0 prediction, Adam with warm-up and a
+cosine decay, the EMA with its warm-up) on 512 training samples for 256 steps (~90 s here).
+Measured here (seed 0): one sampling step (the model's posterior mean from pure noise) RMSE
+0.1986 against all-zeros 0.2194 (0.905 of it); the 5-step DDIM-EIT sampler 0.2189 (seed 1, in
+another run: 0.2004 against 0.2128). What fails the test is a model that stops
+using the measurements: it falls back to the background, whose RMSE is all-zeros'.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from jobs.cdeit import reconstruction_metrics
@@ -26,44 +25,44 @@ from raytpu.runtime import make_runtime
 
 SHORT_RUN = [
     "scaling.num_workers=1",
-    "data.global_batch_size=8",
+    "loop.epochs=8",
     "optim.lr=1e-3",
-    "loop.ema_beta=0",  # EMA at 0.995 every 10 steps would still hold the initial weights here
-    "loop.epochs=6",
+    "optim.warmup_steps=20",
     "logging.progress_bar=false",
+    "logging.tensorboard=false",
     "logging.eval_images=0",
 ]
+#: the posterior mean (one sampling step) must beat all-zeros by 5%; the 5-step sampler, whose
+#: fresh noise at every step costs RMSE in so short a run, must stay within 1% of all-zeros
+MEAN_OVER_ZEROS = 0.95
+SAMPLED_OVER_ZEROS = 1.01
 
 
-def test_short_cpu_run_learns_denoising_and_records_the_baselines(tmp_path: Path) -> None:
+def test_short_run_of_the_small_recipe_beats_all_zeros(tmp_path: Path) -> None:
     data = tmp_path / "cdeit"
-    synthesize(data, n_train=96, n_valid=16, n_test=32, size=32, seed=0)
+    synthesize(data, n_train=512, n_valid=16, n_test=32, size=32, seed=0)
     cfg, job = load_config("jobs/cdeit/small.yaml", [f"data.path={data}", *SHORT_RUN])
     torch.manual_seed(cfg.run.seed)
     reporter = LocalReporter(tmp_path / "run")
     trainer = Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), tmp_path / "run", data, reporter)
     trainer.fit()
-    model_rmse = job.test(trainer.eval_model(), cfg, tmp_path / "run", data)["rmse"]
+    sampled = job.test(trainer.eval_model(), cfg, tmp_path / "run", data)["rmse"]
+    cfg.job.sampling_steps = 1
+    mean = job.test(trainer.eval_model(), cfg, tmp_path / "run", data)["rmse"]
 
-    saved = np.load(tmp_path / "run" / "test_simulated" / "predictions.npz")
-    truth = torch.from_numpy(saved["truth"])
     test_set = job.build_dataset(cfg, "test", data)
-    tikhonov = torch.stack([test_set[i]["tr"] for i in range(len(test_set))]).reshape(truth.shape)
-    zeros_rmse = reconstruction_metrics(truth, torch.zeros_like(truth))["rmse"]
-    tr_rmse = reconstruction_metrics(truth, tikhonov)["rmse"]
-    valid = job.build_dataset(cfg, "valid", data)
-    zeros_l1 = float(torch.stack([valid[i]["x"].abs().mean() for i in range(len(valid))]).mean())
-    val_l1 = [report["valid/val_l1"] for report in reporter.reports]
+    truth = torch.stack([test_set[i]["x"] for i in range(len(test_set))])
+    tikhonov = torch.stack([test_set[i]["tr"] for i in range(len(test_set))])
+    zeros = reconstruction_metrics(truth, torch.zeros_like(truth))["rmse"]
     record = {
         "steps": trainer.progress.step,
-        "val_l1_first_last": [val_l1[0], val_l1[-1]],
-        "val_l1_of_zeros": zeros_l1,
-        "rmse": {"model": model_rmse, "zeros": zeros_rmse, "TR": tr_rmse},
-        "model_beats_zeros": model_rmse < zeros_rmse,
-        "model_beats_TR": model_rmse < tr_rmse,
-    }
+        "val_loss": [round(r["valid/val_loss"], 4) for r in reporter.reports],
+        "rmse": {"sampled": sampled, "mean": mean, "zeros": zeros,
+                 "TR": reconstruction_metrics(truth, tikhonov)["rmse"]},
+    }  # fmt: skip
     print("cdeit learning record:", json.dumps(record))
 
-    assert tr_rmse < zeros_rmse, record
-    assert val_l1[-1] < val_l1[0] and val_l1[-1] <= 1.02 * zeros_l1, record
-    assert model_rmse <= 1.02 * zeros_rmse, record
+    assert trainer.progress.step == 256, record
+    assert record["val_loss"][-1] < record["val_loss"][0], record
+    assert mean < MEAN_OVER_ZEROS * zeros, record
+    assert sampled < SAMPLED_OVER_ZEROS * zeros, record

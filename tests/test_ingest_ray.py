@@ -192,4 +192,4 @@ def test_cdeit_trains_through_ray_data(ray_session, tmp_path):
     summary = launcher.train(cfg, job)
     assert Path(summary["best_checkpoint"], "ema.safetensors").is_file()
     assert ckpt.read_meta(Path(summary["latest_checkpoint"]))["step"] == 8
-    assert "valid/val_l1" in summary["metrics"]
+    assert "valid/val_loss" in summary["metrics"]

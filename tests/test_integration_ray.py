@@ -105,7 +105,7 @@ def test_cdeit_trains_on_two_workers_and_samples_in_test_mode(ray_session, tmp_p
     job.synthesize(tmp_path / "cdeit", **job.synth_options(cfg))  # not ./data/cdeit of the checkout
     summary = launcher.train(cfg, job)
     assert Path(summary["best_checkpoint"], "ema.safetensors").is_file()
-    assert "valid/val_l1" in summary["metrics"]
+    assert "valid/val_loss" in summary["metrics"]
     cfg.checkpoint.weights = summary["best_checkpoint"]
     metrics = launcher.test(cfg, job)
     assert metrics["test/images"] == 8 and metrics["test/rmse"] > 0 and metrics["test/psnr"] > 0

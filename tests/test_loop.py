@@ -38,7 +38,13 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_interrupted_then_resumed_equals_uninterrupted(tmp_path):
-    schedule = ["loop.epochs=3", "checkpoint.every_steps=5", "optim.scheduler=cosine", "loop.ema_beta=0.9"]
+    schedule = [
+        "loop.epochs=3",
+        "checkpoint.every_steps=5",
+        "optim.scheduler=cosine",
+        "loop.ema_beta=0.9",
+        "loop.ema_update_after=3",
+    ]
     run(tmp_path / "straight", *schedule)
     with pytest.raises(RuntimeError, match="fault injected"):
         run(tmp_path / "broken", *schedule, "loop.fail_at_step=13")

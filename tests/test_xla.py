@@ -132,6 +132,7 @@ def test_cdeit_spmd_training_step_compiles_once(tmp_path):
         "loop.clip_grad_norm=1.0",
         "loop.ema_beta=0.995",
         "loop.ema_every=4",
+        "loop.ema_update_after=2",  # checked steps 3-5: no update, then a ramped weight (0.63)
     ]
     done = run_python(args, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -23,11 +23,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from jobs.cdeit import synth
 from jobs.cdeit.data import EVAL_SETS, EITDataset, eval_dataset, find_stats, normalise_voltages, resolve_data_root
-from jobs.cdeit.diffusion import Diffusion
+from jobs.cdeit.diffusion import Diffusion, pixel_errors
 from jobs.cdeit.model import DiT, DiTConfig
 from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
 
 DIFFUSION = Diffusion()
+LOSSES = ("l1", "mse")
 
 
 @dataclass
@@ -42,6 +43,8 @@ class CDEITConfig(JobConfig):
     stage_depth: int = 2  # blocks per stage
     window_depth: int = 2  # windowed-attention blocks at the input and the output
     sampling_steps: int = 5
+    # training loss on the x0 prediction: "l1" (the authors') or "mse"; valid/val_loss is the same error
+    loss: str = "l1"
     eval_set: str = "simulated"  # simulated | uef2017 | ktc2023 (test mode)
     test_images: int = 32  # PNGs (truth | TR | prediction) written by test mode
     synth_n_train: int = 64
@@ -103,7 +106,7 @@ def padded(batch: Batch, size: int) -> Batch:
 class CDEITJob(Job):
     name = "cdeit"
     config_class = CDEITConfig
-    main_metric = "val_l1"
+    main_metric = "val_loss"
     main_metric_mode = "min"
     aliases = {
         "--mode": "run.mode",
@@ -127,6 +130,8 @@ class CDEITJob(Job):
             raise ValueError(f"job (CDEIT model settings): {exc}") from exc
         if cfg.job.eval_set not in EVAL_SETS:
             raise ValueError(f"job.eval_set={cfg.job.eval_set!r} is not one of {', '.join(EVAL_SETS)}")
+        if cfg.job.loss not in LOSSES:
+            raise ValueError(f"job.loss={cfg.job.loss!r} is not one of {', '.join(LOSSES)}")
         if cfg.job.sampling_steps < 1:
             raise ValueError(f"job.sampling_steps must be at least 1, got {cfg.job.sampling_steps}")
 
@@ -210,18 +215,23 @@ class CDEITJob(Job):
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
         x0 = batch["x"]
         t = DIFFUSION.sample_t(x0.shape[0], x0.device)
-        loss = DIFFUSION.training_loss(model, x0, batch["y"], t, torch.randn_like(x0))
+        loss = DIFFUSION.training_loss(model, x0, batch["y"], t, torch.randn_like(x0), ctx.config.job.loss)
         return loss, {"loss": loss}
 
     def eval_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> Batch:
+        """Per-image L1, squared error and training loss (``job.loss``) of the x0 prediction at
+        random timesteps, summed."""
         x0 = batch["x"]
         t = DIFFUSION.sample_t(x0.shape[0], x0.device)
         prediction = model(DIFFUSION.q_sample(x0, t, torch.randn_like(x0)), t, batch["y"])
-        l1 = (prediction.float() - x0.float()).abs().flatten(1).mean(1)
-        return {"l1_sum": l1.sum(), "count": torch.ones_like(l1).sum()}
+        errors = {kind: pixel_errors(prediction, x0, kind).flatten(1).mean(1) for kind in LOSSES}
+        sums = {f"{kind}_sum": error.sum() for kind, error in errors.items()}
+        return {**sums, "loss_sum": sums[f"{ctx.config.job.loss}_sum"], "count": torch.ones_like(errors["l1"]).sum()}
 
     def finish_eval(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
-        return {"val_l1": float(totals["l1_sum"] / totals["count"].clamp_min(1))}
+        """``val_loss`` (the main metric: the training loss's own error), ``val_l1`` and ``val_mse``."""
+        count = totals["count"].clamp_min(1)
+        return {f"val_{name}": float(totals[f"{name}_sum"] / count) for name in ("loss", *LOSSES)}
 
     def eval_images(self, model: nn.Module, batch: Batch, ctx: StepContext) -> dict[str, torch.Tensor]:
         steps = ctx.config.job.sampling_steps if ctx.config is not None else 5

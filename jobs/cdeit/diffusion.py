@@ -52,11 +52,11 @@ class Diffusion:
         return torch.randint(0, self.num_timesteps, (n,), device=device, generator=generator)
 
     def training_loss(
-        self, model: Denoiser, x0: torch.Tensor, y: torch.Tensor, t: torch.Tensor, noise: torch.Tensor
+        self, model: Denoiser, x0: torch.Tensor, y: torch.Tensor, t: torch.Tensor, noise: torch.Tensor, kind: str = "l1"
     ) -> torch.Tensor:
-        """Mean L1 between the model's x0 prediction at x_t and x0."""
+        """Mean L1 (the authors') or squared error between the model's x0 prediction at x_t and x0."""
         prediction = model(self.q_sample(x0, t, noise), t, y)
-        return (prediction.float() - x0.float()).abs().mean()
+        return pixel_errors(prediction, x0, kind).mean()
 
     def sampling_timesteps(self, steps: int) -> list[int]:
         """The DDIM-EIT schedule: linspace(-1, T-1, steps+1) truncated to int, descending, ending at -1."""
@@ -102,3 +102,9 @@ class Diffusion:
             sqrt_alpha_next, c, sigma = self.step_coefficients(time, time_next, eta)
             img = x0 * sqrt_alpha_next + c * self.predict_eps(img, t, x0) + sigma * noise[index + 1]
         return x0
+
+
+def pixel_errors(prediction: torch.Tensor, x0: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-pixel |error| (``l1``) or error squared (``mse``), in float32."""
+    error = prediction.float() - x0.float()
+    return error.abs() if kind == "l1" else error.square()

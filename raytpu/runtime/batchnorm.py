@@ -38,7 +38,7 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
         mean = sums[:channels] / total
         var = (sums[channels : 2 * channels] / total - mean * mean).clamp_min(0)
         if self.track_running_stats:
-            self._update_running_stats(mean.detach(), var.detach(), float(total))
+            self._update_running_stats(mean.detach(), var.detach(), float(total.detach()))
         shape = [1, channels] + [1] * (x.dim() - 2)
         y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
