@@ -38,21 +38,26 @@ def resolve_data_root(cfg: Config, job: Job, synthesize: bool | None = None) -> 
     given = Path(cfg.data.path) if cfg.data.path else None
     if given is not None and given.exists():
         return given.resolve()
+    allow = cfg.data.synthesize_if_missing if synthesize is None else synthesize
+    if allow and given is not None:  # the set asked for, made with this run's seed: not another one
+        return synthesize_data(cfg, job, given)
     if fallback.exists() and given != fallback:
         if given is not None:
             warnings.warn(f"data.path {str(given)!r} does not exist; using {str(fallback)!r}", stacklevel=2)
         return fallback.resolve()
-    allow = cfg.data.synthesize_if_missing if synthesize is None else synthesize
     if allow:
-        target = given or fallback
-        print(f"raytpu: data not found; synthesizing a small {job.name} data set in {target}", flush=True)
-        job.synthesize(target, **job.synth_options(cfg))
-        return target.resolve()
+        return synthesize_data(cfg, job, fallback)
     named = f"{str(given)!r} nor " if given is not None else ""
     raise ConfigError(
         f"no data: neither {named}{str(fallback)!r} exists; pass --data-path DIR, or make a synthetic set with "
         f"`raytpu data synth {job.name} --out {given or fallback}`"
     )
+
+
+def synthesize_data(cfg: Config, job: Job, target: Path) -> Path:
+    print(f"raytpu: data not found; synthesizing a small {job.name} data set in {target}", flush=True)
+    job.synthesize(target, **job.synth_options(cfg))
+    return target.resolve()
 
 
 def run_name(cfg: Config, config_path: str | None) -> str:

@@ -77,3 +77,19 @@ def test_relative_weights_path_reaches_workers_absolute(tmp_path, monkeypatch):
     cfg, job = load_config(SMALL, ["checkpoint.weights=ckpt"])
     payload = launcher.make_payload(cfg, job, tmp_path, tmp_path, "test")
     assert payload.config["checkpoint"]["weights"] == str(tmp_path / "ckpt")
+
+
+def test_a_missing_data_path_is_made_there_or_falls_back_to_data_job(tmp_path, monkeypatch):
+    """data.path missing: with synthesize_if_missing the set is made at that path (for this run's
+    seed), even when ./data/<job> holds another set; without it ./data/<job> is used, with a warning."""
+    from raytpu.config import load_config
+    from raytpu.launcher import resolve_data_root
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "tests.toy_job").mkdir(parents=True)
+    base = ["job.name=tests.toy_job", f"data.path={tmp_path / 'mine'}"]
+    cfg, job = load_config(None, [*base, "data.synthesize_if_missing=true"])
+    assert resolve_data_root(cfg, job) == tmp_path / "mine" and (tmp_path / "mine" / "READY").is_file()
+    cfg, job = load_config(None, [*base[:1], f"data.path={tmp_path / 'other'}"])
+    with pytest.warns(UserWarning, match="does not exist; using 'data/tests.toy_job'"):
+        assert resolve_data_root(cfg, job) == tmp_path / "data" / "tests.toy_job"
