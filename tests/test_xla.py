@@ -13,17 +13,22 @@ pytestmark = pytest.mark.xla
 
 
 @pytest.fixture(scope="module")
-def irstd(tmp_path_factory):
-    root = tmp_path_factory.mktemp("xla") / "mshnet"
-    synthesize(root, n=24, size=32, seed=0)
+def data(tmp_path_factory):
+    """MSHNet's IRSTD-format set, its Ray Data tables, and a CDEIT set."""
+    from jobs.cdeit.synth import synthesize as synthesize_eit
+    from raytpu import ingest
+    from raytpu.config import load_config
+
+    root = tmp_path_factory.mktemp("xla")
+    synthesize(root / "mshnet", n=24, size=32, seed=0)
+    _, job = load_config(None, ["job.name=mshnet"])
+    ingest.prepare(job, root / "mshnet", str(root / "pq"))
+    synthesize_eit(root / "cdeit", n_train=16, n_valid=4, n_test=4, size=32, seed=0)
     return root
 
 
-def probe(root, env: dict[str, str], *overrides: str) -> dict:
-    args = [
-        "-m",
-        "tests.xla_probe",
-        "3",
+def mshnet(root, *overrides: str) -> list[str]:
+    return [
         "job.name=mshnet",
         f"data.path={root}",
         "job.base_size=32",
@@ -34,16 +39,42 @@ def probe(root, env: dict[str, str], *overrides: str) -> dict:
         "loop.log_every=1",
         *overrides,
     ]
-    done = run_python(args, env={"PJRT_DEVICE": "CPU", **env})
+
+
+def cdeit(root) -> list[str]:
+    return [
+        "job.name=cdeit",
+        f"data.path={root}",
+        "job.image_size=32",
+        "job.hidden_size=64",
+        "data.global_batch_size=8",
+        "loop.max_steps=6",
+        "loop.log_every=1",
+        "xla.spmd=true",
+        "optim.name=adam",
+        "loop.clip_grad_norm=1.0",
+        "loop.ema_beta=0.995",
+        "loop.ema_every=4",
+        "loop.ema_update_after=2",  # checked steps 3-5: no update, then a ramped weight (0.63)
+    ]
+
+
+def probe(devices: int, *runs: list[str]) -> list[dict]:
+    """The runs in one process on ``devices`` CPU devices (3 warm-up steps each); their reports."""
+    args = ["-m", "tests.xla_probe", "3"]
+    for index, overrides in enumerate(runs):
+        args += (["--"] if index else []) + overrides
+    done = run_python(args, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)})
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    reports = [json.loads(line) for line in done.stdout.strip().splitlines() if line.startswith("{")]
+    assert len(reports) == len(runs), done.stdout[-3000:]
+    return reports
 
 
-MESHES = {  # name: (devices, overrides)
-    "single": (1, ["xla.spmd=false"]),
-    "dp4": (4, ["xla.spmd=true"]),
-    "fsdp4": (4, ["xla.spmd=true", "xla.mesh.data=1", "xla.mesh.fsdp=4"]),
-}
+#: the 4-device runs, in one SPMD process: MSHNet data-parallel (torch and Ray Data ingest: the
+#: same step graph, compiled once), MSHNet FSDPv2, and CDEIT data-parallel with EMA
+SPMD_RUNS = ["dp4", "dp4-ray", "fsdp4", "cdeit"]
+MESHES = {"single": 1, "dp4": 4, "fsdp4": 4}
 #: relative distance allowed between a sharded run's losses and the single device's
 #: (same global batch, same seed): float reduction order differs across shards, and
 #: MSHNet's Adagrad at lr 0.05 amplifies it over 6 steps to about 1%
@@ -51,17 +82,22 @@ LOSS_RTOL = 3e-2
 
 
 @pytest.fixture(scope="module")
-def mesh_runs(irstd):
-    return {
-        name: probe(irstd, {"CPU_NUM_DEVICES": str(devices)}, *overrides)
-        for name, (devices, overrides) in MESHES.items()
-    }
+def runs(data):
+    (single,) = probe(1, mshnet(data / "mshnet", "xla.spmd=false"))
+    spmd = probe(
+        4,
+        mshnet(data / "mshnet", "xla.spmd=true"),
+        mshnet(data / "pq", "xla.spmd=true", "data.loader=ray"),
+        mshnet(data / "mshnet", "xla.spmd=true", "xla.mesh.data=1", "xla.mesh.fsdp=4"),
+        cdeit(data / "cdeit"),
+    )
+    return {"single": single, **dict(zip(SPMD_RUNS, spmd))}
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_training_step_compiles_once_and_has_no_cpu_fallback(mesh_runs, mesh):
-    report = mesh_runs[mesh]
-    assert report["devices"] == MESHES[mesh][0]
+def test_training_step_compiles_once_and_has_no_cpu_fallback(runs, mesh):
+    report = runs[mesh]
+    assert report["devices"] == MESHES[mesh]
     assert report["steps_checked"] == 3
     assert report["compiles_after_warmup"] == 0, report
     assert report["fallbacks_after_warmup"] == [], report
@@ -75,26 +111,27 @@ INPUT_SHARDING = {"single": "", "dp4": "{devices=[4,1,1,1]", "fsdp4": "{devices=
 
 
 @pytest.mark.parametrize("mesh", ["dp4", "fsdp4"])
-def test_sharded_runs_follow_the_single_device_loss_trajectory(mesh_runs, mesh):
-    single, sharded = mesh_runs["single"]["losses"], mesh_runs[mesh]["losses"]
+def test_sharded_runs_follow_the_single_device_loss_trajectory(runs, mesh):
+    single, sharded = runs["single"]["losses"], runs[mesh]["losses"]
     assert sharded == pytest.approx(single, rel=LOSS_RTOL), (single, sharded)
     assert sharded != pytest.approx(single[::-1], rel=LOSS_RTOL)  # the trajectory is not flat: the check bites
 
 
-def test_ray_data_batches_feed_the_sharded_step_without_recompiles(irstd, mesh_runs, tmp_path):
+def test_ray_data_batches_feed_the_sharded_step_without_recompiles(runs):
     """data.loader=ray on XLA: the worker's Ray Data batches go through MpDeviceLoader,
     sharded over the 4-device mesh's batch axis, into the same compiled step."""
-    from raytpu import ingest
-    from raytpu.config import load_config
-
-    _, job = load_config(None, ["job.name=mshnet"])
-    ingest.prepare(job, irstd, str(tmp_path / "pq"))
-    report = probe(tmp_path / "pq", {"CPU_NUM_DEVICES": "4"}, "xla.spmd=true", "data.loader=ray")
+    report = runs["dp4-ray"]
     assert report["devices"] == 4 and report["steps_checked"] == 3
-    assert report["input_sharding"] == mesh_runs["dp4"]["input_sharding"]  # as the torch path shards it
+    assert report["input_sharding"] == runs["dp4"]["input_sharding"]  # as the torch path shards it
     assert report["compiles_after_warmup"] == 0, report
     assert report["fallbacks_after_warmup"] == [], report
-    assert len(report["losses"]) == 6 and all(loss == loss for loss in report["losses"])
+
+
+def test_cdeit_spmd_training_step_compiles_once(runs):
+    report = runs["cdeit"]
+    assert report["devices"] == 4 and report["steps_checked"] == 3
+    assert report["compiles_after_warmup"] == 0, report
+    assert report["fallbacks_after_warmup"] == [], report
 
 
 def test_recompile_guard_fails_a_strict_run(tmp_path):
@@ -110,36 +147,6 @@ def test_recompile_guard_fails_a_strict_run(tmp_path):
     done = run_python(args, env={"PJRT_DEVICE": "CPU"})
     assert done.returncode != 0
     assert "recompiled the XLA graph" in done.stderr and "PT_XLA_DEBUG_LEVEL=2" in done.stderr
-
-
-def test_cdeit_spmd_training_step_compiles_once(tmp_path):
-    from jobs.cdeit.synth import synthesize as synthesize_eit
-
-    synthesize_eit(tmp_path / "cdeit", n_train=16, n_valid=4, n_test=4, size=32, seed=0)
-    args = [
-        "-m",
-        "tests.xla_probe",
-        "3",
-        "job.name=cdeit",
-        f"data.path={tmp_path / 'cdeit'}",
-        "job.image_size=32",
-        "job.hidden_size=64",
-        "data.global_batch_size=8",
-        "loop.max_steps=6",
-        "loop.log_every=1",
-        "xla.spmd=true",
-        "optim.name=adam",
-        "loop.clip_grad_norm=1.0",
-        "loop.ema_beta=0.995",
-        "loop.ema_every=4",
-        "loop.ema_update_after=2",  # checked steps 3-5: no update, then a ramped weight (0.63)
-    ]
-    done = run_python(args, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["devices"] == 4 and report["steps_checked"] == 3
-    assert report["compiles_after_warmup"] == 0, report
-    assert report["fallbacks_after_warmup"] == [], report
 
 
 def test_cdeit_sampler_compiles_one_graph_for_all_test_batches(tmp_path):

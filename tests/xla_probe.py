@@ -1,10 +1,12 @@
 """Run the raytpu loop in-process on the XLA CPU device and report compiles after warm-up.
 
 Used by tests in a subprocess (torch_xla reads PJRT_DEVICE / CPU_NUM_DEVICES once
-per process). Usage: python -m tests.xla_probe WARMUP_STEPS OVERRIDE... ; prints one
-JSON line: compiles and fallback counters seen after the warm-up steps, and the losses.
-With ``data.loader=ray`` the batches come from the prepared tables through a local
-Ray instance started here, as a Ray Train worker would read its dataset shard.
+per process). Usage: python -m tests.xla_probe WARMUP_STEPS OVERRIDE... [-- OVERRIDE...]...;
+each ``--``-separated group is one run, in order, in this one process (runs whose step is
+the same graph share XLA's in-memory compile cache); prints one JSON line per run: compiles
+and fallback counters seen after the warm-up steps, and the losses. With ``data.loader=ray``
+the batches come from the prepared tables through a local Ray instance started here, as a
+Ray Train worker would read its dataset shard.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def ray_datasets(cfg, job) -> dict | None:
 
     from raytpu import ingest
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     return {split: data.iterator() for split, data in ingest.read_datasets(cfg, job, "train").items()}
 
 
@@ -67,7 +70,18 @@ class Probe(Callback):
 
 
 def main(argv: list[str]) -> None:
-    warmup, overrides = int(argv[0]), argv[1:]
+    warmup, runs = int(argv[0]), [[]]
+    for word in argv[1:]:
+        if word == "--":
+            runs.append([])
+        else:
+            runs[-1].append(word)
+    for overrides in runs:
+        print(json.dumps(probe_run(warmup, overrides)), flush=True)
+
+
+def probe_run(warmup: int, overrides: list[str]) -> dict:
+    met.clear_all()
     cfg, job = load_config(None, ["logging.progress_bar=false", "logging.eval_images=0", *overrides])
     runtime = make_runtime("xla", cfg.scaling.precision, 1, 0, 0, cfg.xla)
     run_dir = Path(tempfile.mkdtemp(prefix="xla-probe-"))
@@ -81,22 +95,21 @@ def main(argv: list[str]) -> None:
         probe.seen.setdefault("input_sharding", torch_xla._XLAC._get_xla_sharding_spec(first))
         return job_train_step(model, batch, ctx)
 
-    job.train_step = probe_job_step
+    job.train_step = probe_job_step  # on the instance, for this run
     reporter = LocalReporter(run_dir)
-    Trainer(cfg, job, runtime, run_dir, data_root, reporter, ray_datasets(cfg, job), [probe]).fit()
+    try:
+        Trainer(cfg, job, runtime, run_dir, data_root, reporter, ray_datasets(cfg, job), [probe]).fit()
+    finally:
+        del job.train_step
     steps = probe.seen["steps"].values()
-    print(
-        json.dumps(
-            {
-                "devices": runtime.local_devices,
-                "compiles_after_warmup": sum(s["compiles"] for s in steps),
-                "fallbacks_after_warmup": sorted({f for s in steps for f in s["fallbacks"]}),
-                "steps_checked": len(steps),
-                "losses": probe.seen["losses"],
-                "input_sharding": probe.seen.get("input_sharding"),
-            }
-        )
-    )
+    return {
+        "devices": runtime.local_devices,
+        "compiles_after_warmup": sum(s["compiles"] for s in steps),
+        "fallbacks_after_warmup": sorted({f for s in steps for f in s["fallbacks"]}),
+        "steps_checked": len(steps),
+        "losses": probe.seen["losses"],
+        "input_sharding": probe.seen.get("input_sharding"),
+    }
 
 
 if __name__ == "__main__":
