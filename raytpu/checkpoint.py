@@ -225,13 +225,18 @@ class Checkpointer:
     def __init__(self, runtime: Runtime, job_name: str, config: dict[str, Any]) -> None:
         self.runtime, self.job_name, self.config = runtime, job_name, config
 
-    def save(self, directory: Path, state: TrainState, progress: Progress, metrics: dict[str, Any]) -> None:
+    def save(
+        self, directory: Path, state: TrainState, progress: Progress, metrics: dict[str, Any], reason: str = "scheduled"
+    ) -> None:
+        """``reason``: why it is taken (``raytpu.reports.REASONS``), recorded in ``meta.json``."""
         try:
-            self._save(directory, state, progress, metrics)
+            self._save(directory, state, progress, metrics, reason)
         except OSError as exc:
             raise CheckpointWriteError(exc.filename or directory, exc) from exc
 
-    def _save(self, directory: Path, state: TrainState, progress: Progress, metrics: dict[str, Any]) -> None:
+    def _save(
+        self, directory: Path, state: TrainState, progress: Progress, metrics: dict[str, Any], reason: str
+    ) -> None:
         rt = self.runtime
         save_torch(directory / "rng" / f"rank_{rt.rank}.pt", rng_states(rt))
         model_state = rt.to_cpu(rt.unwrap(state.model).state_dict())
@@ -249,7 +254,7 @@ class Checkpointer:
         if ema_state is not None:
             save_weights(directory / EMA, ema_state)
         save_torch(directory / TRAIN_STATE, train_state)
-        meta = {**asdict(progress), "metrics": metrics, "job": self.job_name, "config": self.config}
+        meta = {**asdict(progress), "reason": reason, "metrics": metrics, "job": self.job_name, "config": self.config}
         save_json(directory / META, meta)
 
     def read(self, directory: Path) -> dict[str, Any]:
@@ -300,6 +305,12 @@ class Reporter:
         when a newer one turns out damaged)."""
         latest = self.latest_checkpoint()
         return [latest] if latest else []
+
+    def interruption(self) -> str | None:
+        """Called by every rank at the same steps: ``"stop"`` (checkpoint and stop: the driver
+        was asked to), ``"preempted"`` (checkpoint now: a node is about to go) or ``None``; the
+        same answer on every rank. In-process runs are never interrupted."""
+        return None
 
 
 class LocalReporter(Reporter):

@@ -8,6 +8,7 @@ waits on an address that does not answer.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -15,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+from raytpu.errors import ConfigError
 
 NO_CLUSTER = "no cluster: raytpu starts a local one"
 DEFAULT_TIMEOUT_S = 30.0
@@ -145,3 +148,62 @@ def check_cluster(address: str | None, timeout: float = DEFAULT_TIMEOUT_S) -> di
         "totals": totals,
         "auto_runtime": runtime,
     }
+
+
+# ------------------------------------------------------------ joining as a driver
+def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> None:
+    """Join the cluster at ``address`` / ``RAY_ADDRESS``, or start a local Ray instance.
+
+    An address where nothing answers is refused at once (Ray itself would retry for minutes)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    check_reachable(address)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
+    env["RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS"] = "0"
+    # print() in a worker stays print(): Ray Train would route it through a logger that writes it
+    # to both stdout and stderr (each line twice on the console)
+    env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+    kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": not quiet}
+    level = "INFO" if verbose else "WARNING"  # Ray's INFO lines (reports, checkpoints): --verbose only
+    kwargs.update(logging_level=getattr(logging, level), logging_config=ray.LoggingConfig(log_level=level))
+    if address in (None, "local"):
+        if address is None:
+            print("raytpu: no Ray cluster given (--address / RAY_ADDRESS); starting a local Ray instance", flush=True)
+        # the nodes of a local instance are never drained: Ray Train's preemption watcher (an actor
+        # per run, whose start prints a C++ notice) has nothing to watch there
+        env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+    if not verbose:
+        quiet_ray()
+    try:
+        ray.init(address=address, **kwargs)
+    except ConnectionError as exc:
+        raise ConfigError(f"cannot join a Ray cluster at {address!r}: {' '.join(str(exc).split())[:200]}") from exc
+
+
+def quiet_ray() -> None:
+    """Hide Ray's token-authentication reminder on every connect (through its logger's level)."""
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+
+
+def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """A one-line error unless something listens where ``address`` points (none, ``local`` and
+    ``auto`` need nothing: a local instance is started, or Ray finds the running one)."""
+    if address in (None, "local", "auto"):
+        return
+    if address.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"--address {address} is a dashboard address (for raytpu submit); to train on that cluster "
+            "give its GCS address HOST:6379 or ray://HOST:10001"
+        )
+    endpoint = host_port(address)
+    if endpoint is None:
+        raise ConfigError(f"--address {address!r} is not a Ray address (HOST:PORT, ray://HOST:PORT, auto or local)")
+    refused = tcp_error(*endpoint, timeout=timeout_s)
+    if refused:
+        raise ConfigError(
+            f"no Ray cluster answers at {address} ({refused}); start one with `ray start --head`, fix --address / "
+            "RAY_ADDRESS, or leave both unset to run on a local Ray instance"
+        )

@@ -10,16 +10,17 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import logging
 import os
+import signal
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from raytpu import preflight
+from raytpu.cluster import check_reachable, connect
 from raytpu.config import Config, ConfigError, dump_yaml, to_dict
-from raytpu.errors import RunFailed
+from raytpu.errors import RunFailed, RunStopped
 from raytpu.job import Job
 from raytpu.runtime import pick_runtime
 from raytpu.tpu import check_num_workers, slice_spec, workers_for_layout
@@ -72,52 +73,6 @@ def run_dir(cfg: Config) -> Path:
 
 
 # --------------------------------------------------------------------- ray
-def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> None:
-    """Join the cluster at ``address`` / ``RAY_ADDRESS``, or start a local Ray instance.
-
-    An address where nothing answers is refused at once (Ray itself would retry for minutes)."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    check_reachable(address)
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
-    env["RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS"] = "0"
-    kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": not quiet}
-    level = "INFO" if verbose else "WARNING"  # Ray's INFO lines (reports, checkpoints): --verbose only
-    kwargs.update(logging_level=getattr(logging, level), logging_config=ray.LoggingConfig(log_level=level))
-    if address is None:
-        print("raytpu: no Ray cluster given (--address / RAY_ADDRESS); starting a local Ray instance", flush=True)
-    try:
-        ray.init(address=address, **kwargs)
-    except ConnectionError as exc:
-        raise ConfigError(f"cannot join a Ray cluster at {address!r}: {' '.join(str(exc).split())[:200]}") from exc
-
-
-def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
-    """A one-line error unless something listens where ``address`` points (none, ``local`` and
-    ``auto`` need nothing: a local instance is started, or Ray finds the running one)."""
-    from raytpu.cluster import host_port, tcp_error
-
-    if address in (None, "local", "auto"):
-        return
-    if address.startswith(("http://", "https://")):
-        raise ConfigError(
-            f"--address {address} is a dashboard address (for raytpu submit); to train on that cluster "
-            "give its GCS address HOST:6379 or ray://HOST:10001"
-        )
-    endpoint = host_port(address)
-    if endpoint is None:
-        raise ConfigError(f"--address {address!r} is not a Ray address (HOST:PORT, ray://HOST:PORT, auto or local)")
-    refused = tcp_error(*endpoint, timeout=timeout_s)
-    if refused:
-        raise ConfigError(
-            f"no Ray cluster answers at {address} ({refused}); start one with `ray start --head`, fix --address / "
-            "RAY_ADDRESS, or leave both unset to run on a local Ray instance"
-        )
-
-
 def cluster_runtime(requested: str) -> str:
     """Resolve ``auto`` from the cluster's resources (never by probing devices here)."""
     if requested != "auto":
@@ -140,6 +95,19 @@ def check_cluster_fits(cfg: Config) -> None:
     leave_cpu_for_ray_data(cfg)
     what = f"{cfg.scaling.num_workers} {cfg.scaling.runtime} worker(s)"
     preflight.check_fit(worker_bundles(cfg), what)
+
+
+def where_it_runs(cfg: Config, cluster: str) -> str:
+    """One line: the cluster, the workers, the runtime and precision, and the batch per worker."""
+    from raytpu.runtime.base import resolve_precision
+
+    precision, _ = resolve_precision(cfg.scaling.runtime, cfg.scaling.precision)
+    share = cfg.data.global_batch_size // (cfg.scaling.num_workers * cfg.loop.grad_accum)
+    accum = f" x {cfg.loop.grad_accum} accumulation steps" if cfg.loop.grad_accum > 1 else ""
+    return (
+        f"raytpu: {cfg.run.mode} {cfg.run.name} on {cluster}: {cfg.scaling.num_workers} {cfg.scaling.runtime} "
+        f"worker(s), {precision}, {share} samples per worker{accum} (global batch {cfg.data.global_batch_size})"
+    )
 
 
 def build_trainer(cfg: Config, payload: WorkerPayload, name: str, callbacks: list[Any] | None = None) -> Any:
@@ -170,7 +138,7 @@ def build_trainer(cfg: Config, payload: WorkerPayload, name: str, callbacks: lis
         train_worker_entry,
         train_loop_config=payload.as_dict(),
         scaling_config=scaling,
-        torch_config=torch_config(cfg.scaling.runtime),
+        torch_config=torch_config(cfg.scaling.runtime, cfg.logging.verbose),
         run_config=run_config,
         **datasets,
     )
@@ -246,6 +214,8 @@ def check_before_start(cfg: Config, job: Job, mode: str, address: str | None) ->
     data_root = check_files(cfg, job, mode)
     connect(address, quiet=mode == "test", verbose=cfg.logging.verbose)
     check_cluster_fits(cfg)
+    address = address or os.environ.get("RAY_ADDRESS")
+    print(where_it_runs(cfg, f"the Ray cluster at {address}" if address else "the local Ray instance"), flush=True)
     return data_root
 
 
@@ -303,20 +273,37 @@ def train(cfg: Config, job: Job, address: str | None = None, local: bool = False
     """Train through Ray (or, with ``local``, in local processes) and print where everything is;
     returns a summary."""
     summary = train_local(cfg, job) if local else train_on_ray(cfg, job, address)
+    print_summary(summary)
+    if summary.get("stopped_by"):
+        signum = summary["stopped_by"]
+        raise RunStopped(
+            signum,
+            f"stopped by {signal.Signals(signum).name} after checkpointing step {summary['metrics_step']}; "
+            "run the same command again to resume from there",
+        )
+    return summary
+
+
+def print_summary(summary: dict[str, Any]) -> None:
     print(f"run directory:     {summary['run_dir']}")
     print(f"config:            {Path(summary['run_dir']) / 'config.yaml'}")
     print(f"tensorboard:       tensorboard --logdir {summary['tensorboard']}")
     print(f"latest checkpoint: {summary['latest_checkpoint']}")
     print(f"best checkpoint:   {summary['best_checkpoint']}")
     print("final metrics:     " + json.dumps(summary["metrics"]), flush=True)
-    return summary
 
 
 def train_on_ray(cfg: Config, job: Job, address: str | None) -> dict[str, Any]:
+    from raytpu.stopping import StopOnSignal
+
     plan = prepare_run(cfg, job, "train", address)
-    result = fit(build_trainer(cfg, plan.payload, plan.name))
+    with StopOnSignal() as stop:
+        payload = dataclasses.replace(plan.payload, stop_flag=stop.name)
+        result = fit(build_trainer(cfg, payload, plan.name))
     best = result.get_best_checkpoint("score", plan.payload.main_metric_mode) if result.best_checkpoints else None
     return {
+        "stopped_by": stop.stopped_by(),
+        "metrics_step": (result.metrics or {}).get("step"),
         "run_dir": str(plan.directory),
         "tensorboard": str(plan.directory / "tensorboard"),
         "latest_checkpoint": result.checkpoint.path if result.checkpoint else None,

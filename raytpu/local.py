@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -28,8 +29,10 @@ from raytpu.checkpoint import LocalReporter
 from raytpu.config import Config, ConfigError, dump_yaml, from_dict, to_dict
 from raytpu.errors import RunFailed
 from raytpu.job import Job
+from raytpu.stopping import announce
 
 REPORT = "report.json"  # what a checkpoint was reported with (its score), beside meta.json
+STOP = ".stop"  # in the run folder: the driver got a signal; the workers checkpoint and stop
 
 
 class RunFolderReporter(LocalReporter):
@@ -57,6 +60,15 @@ class RunFolderReporter(LocalReporter):
             staging.rename(target)
             self._prune()
         self._barrier()
+
+    def interruption(self) -> str | None:
+        """``"stop"`` once the driver wrote the stop file (rank 0 looks, every rank gets its answer)."""
+        stop = [self.rank == 0 and (self.root / STOP).exists()]
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(stop, src=0)
+        return "stop" if stop[0] else None
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -121,7 +133,8 @@ def train(cfg: Config, job: Job, data_root: Path, run_dir: Path) -> dict[str, An
         else:
             process = subprocess.Popen(command, env=env, stdout=log, stderr=log)
         processes.append((rank, process, log))
-    failed = wait_all(processes, copiers)
+    with stop_file_on_signal(run_dir / STOP) as stop:
+        failed = wait_all(processes, copiers)
     payload.unlink()
     if failed is not None:
         text = (run_dir / "logs" / f"rank_{failed}.log").read_text()
@@ -130,13 +143,41 @@ def train(cfg: Config, job: Job, data_root: Path, run_dir: Path) -> dict[str, An
     reporter = RunFolderReporter(run_dir, cfg.checkpoint.num_to_keep, job.main_metric_mode, 0, 1)
     latest, best = reporter.latest_checkpoint(), reporter.best_checkpoint()
     metrics = json.loads((latest / REPORT).read_text()) if latest and (latest / REPORT).is_file() else {}
+    stopped = stop.signum if stop.signum is not None and (run_dir / STOP).exists() else None
+    (run_dir / STOP).unlink(missing_ok=True)
     return {
+        "stopped_by": stopped,
+        "metrics_step": metrics.get("step"),
         "run_dir": str(run_dir),
         "tensorboard": str(run_dir / "tensorboard"),
         "latest_checkpoint": str(latest) if latest else None,
         "best_checkpoint": str(best) if best else None,
         "metrics": {k: v for k, v in metrics.items() if "/" in k},
     }
+
+
+class stop_file_on_signal:  # noqa: N801 (a context manager, used as a function)
+    """SIGINT / SIGTERM to this process: write ``path``, which the workers' rank 0 checks at every
+    log step (the workers ignore SIGINT themselves: a Ctrl-C reaches the whole process group)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.signum, self.previous = path, None, {}
+
+    def __enter__(self) -> stop_file_on_signal:
+        self.path.unlink(missing_ok=True)
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        signal.signal(signum, self.previous[signum])
+        announce(signum)
+        self.path.write_text("stop\n")
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def tee(stream: Any, log: Any) -> None:
@@ -171,14 +212,17 @@ def worker_main(payload_path: str) -> None:
     """One local worker: the process group, the runtime and the loop."""
     import torch.distributed as dist
 
+    from raytpu.logger import muted_stdout
     from raytpu.loop import Trainer
     from raytpu.runtime import make_runtime
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides (see stop_file_on_signal)
     payload = json.loads(Path(payload_path).read_text())
     cfg, job = from_dict(payload["config"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world > 1:
-        dist.init_process_group("nccl" if cfg.scaling.runtime == "cuda" else "gloo")
+        with muted_stdout(not cfg.logging.verbose):  # gloo's "[Gloo] Rank N is connected" notice
+            dist.init_process_group("nccl" if cfg.scaling.runtime == "cuda" else "gloo")
     runtime = make_runtime(cfg.scaling.runtime, cfg.scaling.precision, world, rank, rank, cfg.xla)
     run_dir = Path(payload["run_dir"])
     reporter = RunFolderReporter(run_dir, cfg.checkpoint.num_to_keep, job.main_metric_mode, rank, world)

@@ -15,7 +15,6 @@ import random
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,37 +29,12 @@ from raytpu.data import WorkerData, make_worker_data
 from raytpu.job import Batch, Job, StepContext
 from raytpu.logger import RunLogger, watch_grad_norm
 from raytpu.optim import EMA, EMASchedule, build_optimizer, build_scheduler
+from raytpu.reports import Cadence, Scoreboard
 from raytpu.runtime.base import Runtime
 
 
 class NonFiniteLossError(RuntimeError):
     pass
-
-
-@dataclass(frozen=True)
-class Cadence:
-    """When to evaluate and when to checkpoint: the one place that decides.
-
-    With ``checkpoint.every_steps`` a checkpoint (with an eval, so that it has a score) is taken
-    every that many steps; else one at every epoch end, evaluated every ``loop.eval_every_epochs``
-    epochs (a checkpoint without an eval carries no score and is never the best). The last step
-    always evaluates and checkpoints.
-    """
-
-    total_steps: int
-    every_steps: int
-    eval_every_epochs: int
-
-    def decide(self, step: int, epoch_ended: bool, epochs_done: int) -> tuple[bool, bool]:
-        """``(evaluate, checkpoint)`` after ``step``."""
-        if step >= self.total_steps:
-            return True, True
-        if self.every_steps:
-            due = step % self.every_steps == 0
-            return due, due
-        if epoch_ended:
-            return epochs_done % self.eval_every_epochs == 0, True
-        return False, False
 
 
 class Trainer:
@@ -88,9 +62,11 @@ class Trainer:
         self.ema: EMA | None = None
         self.steps_per_epoch = 0
         self.total_steps = 0
+        self.scoreboard = Scoreboard(cfg, job, runtime)
         self._stop_reason: str | None = None
         self._last_log = (time.perf_counter(), 0)
         self._restored_metrics: dict[str, float] = {}
+        self._preemption_saved = False
 
     # ------------------------------------------------------------ build
     def _seed(self) -> None:
@@ -118,15 +94,11 @@ class Trainer:
         self.ema = EMA(rt.unwrap(self.model)) if cfg.loop.ema_beta else None
         self.ema_schedule = EMASchedule.from_loop(cfg.loop)
         self.nonfinite = torch.zeros((), device=rt.device)
-        self._reset_loss_since_report()
+        self.scoreboard.reset_loss()
 
     @property
     def state(self) -> TrainState:
         return TrainState(self.model, self.ema.model if self.ema else None, self.optimizer, self.scheduler)
-
-    def _reset_loss_since_report(self) -> None:
-        self._loss_since_report = torch.zeros((), device=self.runtime.device)
-        self._steps_since_report = 0
 
     def _resume(self) -> None:
         """Continue from the newest checkpoint that reads back whole; a damaged one (a crash
@@ -183,6 +155,8 @@ class Trainer:
                     metrics = self.evaluate()
                 if checkpoint:
                     self._checkpoint(metrics if evaluate else {})
+                if self._interrupted(checkpoint):
+                    return metrics
                 if p.step >= self.total_steps:
                     break
         return metrics
@@ -192,7 +166,8 @@ class Trainer:
         the interruption): report the final checkpoint's metrics once more, without a
         new checkpoint, so whoever drives the run sees how it ended."""
         metrics = self._restored_metrics
-        self.reporter.report(self._report_values(metrics, scored=True), None, f"checkpoint_{self.progress.step:08d}")
+        values = self.scoreboard.values(self.progress, metrics, scored=True)
+        self.reporter.report(values, None, f"checkpoint_{self.progress.step:08d}")
         return metrics
 
     def _step(self, batches: Iterator[Batch], steps_into_epoch: int) -> None:
@@ -234,8 +209,7 @@ class Trainer:
         if self.ema is not None:
             self._update_ema(self.ema_schedule.weight(p.step))
         loss_mean = loss_sum.float() / accum
-        self._loss_since_report = self._loss_since_report + loss_mean
-        self._steps_since_report += 1
+        self.scoreboard.add_loss(loss_mean)
         self.nonfinite = torch.maximum(self.nonfinite, (~torch.isfinite(loss_mean)).float())
         extras = {k: v.detach().float() for k, v in extra.items() if k != "loss"}
         self._stats = torch.stack([loss_mean, grad_norm.float(), self.nonfinite, *extras.values()])
@@ -244,10 +218,12 @@ class Trainer:
     def _update_ema(self, weight: float) -> None:
         """The EMA update of this step (``weight`` 0: none is due). On static-graph runtimes (XLA)
         every step updates, with the weight as a tensor input of the graph (0 when not due), so
-        that one compiled step serves every step of the schedule."""
+        that one compiled step serves every step of the schedule. It travels as a 1-element
+        tensor: torch_xla bakes a 0-d tensor holding 0 or 1 into the graph as a constant, which
+        would compile the copy and skip steps apart from the ramped ones."""
         model = self.runtime.unwrap(self.model)
         if self.runtime.static_graph:
-            self.ema.update(model, torch.tensor(weight).to(self.runtime.device))
+            self.ema.update(model, torch.tensor([weight]).to(self.runtime.device).reshape(()))
         elif weight:
             self.ema.update(model, weight)
 
@@ -321,52 +297,36 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------ checkpoint
-    def _counts_for_best(self, metrics: dict[str, float]) -> bool:
-        """An eval of the main metric that the job lets compete for the best checkpoint."""
-        has_score = f"valid/{self.job.main_metric}" in metrics
-        return has_score and self.job.counts_for_best(self.cfg, self.weights_epoch())
-
-    def _update_best(self, metrics: dict[str, float]) -> None:
-        value, p = metrics[f"valid/{self.job.main_metric}"], self.progress
-        if p.best is None or (value > p.best if self.job.main_metric_mode == "max" else value < p.best):
-            p.best = value
-
-    def _train_loss_since_report(self) -> dict[str, float]:
-        """``train/loss``: the mean training loss over the steps since the last report,
-        over all workers (a metric Tune can use as well as the validation ones)."""
-        steps = self._steps_since_report
-        total = self.runtime.all_reduce_sum({"loss": self._loss_since_report})["loss"]
-        self._reset_loss_since_report()
-        return {"train/loss": float(total) / (steps * self.runtime.world_size)} if steps else {}
-
-    def _report_values(self, metrics: dict[str, float], scored: bool) -> dict[str, Any]:
-        """What one report carries: the metrics, where the run is, and the scores. ``score`` is
-        the eval's main metric, or the worst value when the report has no eval that counts."""
-        p = self.progress
-        # finite: Ray's checkpoint snapshot is JSON, where an infinity comes back as null
-        worst = -1e30 if self.job.main_metric_mode == "max" else 1e30
-        main = metrics.get(f"valid/{self.job.main_metric}")
-        return {
-            **metrics,
-            "step": p.step,
-            "epoch": p.epoch,
-            "report": p.reports,
-            "score": main if scored and main is not None else worst,
-            "best": p.best if p.best is not None else worst,
-        }
-
-    def _checkpoint(self, metrics: dict[str, float]) -> None:
-        scored = self._counts_for_best(metrics)
+    def _checkpoint(self, metrics: dict[str, float], reason: str = "scheduled") -> None:
+        board, p = self.scoreboard, self.progress
+        scored = board.counts_for_best(metrics, self.weights_epoch())
         if scored:
-            self._update_best(metrics)
-        metrics = {**metrics, **self._train_loss_since_report()}
-        self.progress.reports += 1
-        report = self._report_values(metrics, scored)
+            board.update_best(p, metrics)
+        metrics = {**metrics, **board.train_loss()}
+        p.reports += 1
+        report = board.values(p, metrics, scored)
         with tempfile.TemporaryDirectory(prefix="raytpu-ckpt-") as tmp:
-            self.checkpointer.save(Path(tmp), self.state, self.progress, metrics)
-            self.reporter.report(report, Path(tmp), f"checkpoint_{self.progress.step:08d}")
+            self.checkpointer.save(Path(tmp), self.state, p, metrics, reason)
+            self.reporter.report(report, Path(tmp), f"checkpoint_{p.step:08d}")
         for callback in self.callbacks:
             callback.on_checkpoint(self, report)
+
+    def _interrupted(self, checkpointed: bool) -> bool:
+        """At every log step (the same steps on every rank) ask the reporter, which gives every
+        rank the same answer, whether to stop now (the driver got a signal) or to checkpoint now
+        (Ray says a node of the run is being preempted; once per run). Either way the current
+        step is checkpointed, without an eval, so never as the best. True: stop training."""
+        p = self.progress
+        if p.step % self.cfg.loop.log_every or p.step >= self.total_steps:
+            return False
+        reason = self.reporter.interruption()
+        if reason is None or (reason == "preempted" and self._preemption_saved):
+            return False
+        self._message(f"{reason}: checkpointing step {p.step}" + (" and stopping" if reason == "stop" else ""))
+        if not checkpointed:
+            self._checkpoint({}, reason)
+        self._preemption_saved = self._preemption_saved or reason == "preempted"
+        return reason == "stop"
 
     # ------------------------------------------------------------ test
     def test(self) -> dict[str, float]:

@@ -30,16 +30,19 @@ class WorkerPayload:
     mode: str  # train | test
     main_metric_mode: str  # max | min
     datasets: list[str] = field(default_factory=list)  # the Ray Datasets given to TorchTrainer
+    stop_flag: str = ""  # name of the run's StopFlag actor ("" = none: a Tune trial)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 class RayReporter(Reporter):
-    """Reports and checkpoints through ``ray.train.report``; the run's latest checkpoint from Ray."""
+    """Reports and checkpoints through ``ray.train.report``; the run's latest checkpoint from Ray;
+    stop requests from the driver's :class:`StopFlag` and Ray's preemption notices."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
+    def __init__(self, run_dir: Path, rank: int = 0, stop_flag: str = "") -> None:
+        self.run_dir, self.rank = run_dir, rank
+        self.stop_flag = stop_flag
         self._restore: Any = None
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str) -> None:
@@ -59,6 +62,23 @@ class RayReporter(Reporter):
             return None
         self._restore = found.as_directory()
         return Path(self._restore.__enter__())
+
+    def interruption(self) -> str | None:
+        """Rank 0 reads the stop flag, Ray Train agrees on a node drain (``get_preemption_info``);
+        both answers travel from rank 0 to every rank through Ray Train's collectives."""
+        import ray
+        import ray.train
+        from ray.train.collective import broadcast_from_rank_zero
+
+        stop = False
+        if self.rank == 0 and self.stop_flag:
+            stop = ray.get(ray.get_actor(self.stop_flag).is_requested.remote(), timeout=60)
+        preempted = ray.train.get_preemption_info() is not None
+        if broadcast_from_rank_zero(stop):
+            if self.rank == 0:
+                ray.get(ray.get_actor(self.stop_flag).confirm.remote(), timeout=60)
+            return "stop"
+        return "preempted" if preempted else None
 
     def resume_candidates(self) -> list[Path]:
         """Ray's latest checkpoint, then the run folder's older ones (when it is a local folder)."""
@@ -88,7 +108,7 @@ def train_worker_entry(config: dict[str, Any]) -> None:
         context.get_local_rank(),
         cfg.xla,
     )
-    reporter = RayReporter(run_dir)
+    reporter = RayReporter(run_dir, context.get_world_rank(), payload.stop_flag)
     datasets = {name: ray.train.get_dataset_shard(name) for name in payload.datasets}
     trainer = Trainer(cfg, job, runtime, run_dir, Path(payload.data_root), reporter, datasets)
     if payload.mode == "train":

@@ -1,4 +1,5 @@
-"""Ray Train's torch backend for XLA workers: a gloo process group on the host, no ``torch_tpu``.
+"""Ray Train's torch backends: for XLA workers a gloo process group on the host, no ``torch_tpu``;
+for every runtime, gloo's connection notice kept off the console at default verbosity.
 
 Ray 2.60 picks a worker's torch device from the accelerators Ray gave it: a worker holding
 ``TPU`` resources gets Ray's ``torch_tpu`` device manager, and ``TorchTrainer``'s process-group
@@ -22,6 +23,8 @@ from typing import Any
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
+from raytpu.logger import mute_stdout, unmute_stdout
+
 
 def _host_device_manager() -> None:
     import ray.air._internal.device_manager as device_manager
@@ -35,11 +38,32 @@ def _forget_host_device() -> None:
     os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
 
 
-class _XLAHostBackend(_TorchBackend):
+class _QuietBackend(_TorchBackend):
+    """Ray's torch backend, with gloo's per-rank connection notice (printed from C++ on stdout)
+    hidden while the process group connects."""
+
+    def on_start(self, worker_group: Any, backend_config: TorchConfig) -> None:
+        worker_group.execute(mute_stdout)
+        try:
+            super().on_start(worker_group, backend_config)
+        finally:
+            worker_group.execute(unmute_stdout)
+
+
+class _XLAHostBackend(_QuietBackend):
     def on_start(self, worker_group: Any, backend_config: TorchConfig) -> None:
         worker_group.execute(_host_device_manager)
         super().on_start(worker_group, backend_config)
         worker_group.execute(_forget_host_device)
+
+
+@dataclass
+class QuietTorchConfig(TorchConfig):
+    """``TorchConfig`` whose process-group start prints nothing."""
+
+    @property
+    def backend_cls(self) -> type:
+        return _QuietBackend
 
 
 @dataclass
@@ -53,8 +77,10 @@ class XLAHostTorchConfig(TorchConfig):
         return _XLAHostBackend
 
 
-def torch_config(runtime: str) -> TorchConfig:
-    """The process-group config for a runtime: NCCL on cuda, gloo elsewhere (host-side on xla)."""
+def torch_config(runtime: str, verbose: bool = False) -> TorchConfig:
+    """The process-group config for a runtime: NCCL on cuda, gloo elsewhere (host-side on xla);
+    quiet unless ``verbose``."""
     if runtime == "xla":
         return XLAHostTorchConfig()
-    return TorchConfig(backend="nccl" if runtime == "cuda" else "gloo")
+    backend = "nccl" if runtime == "cuda" else "gloo"
+    return TorchConfig(backend=backend) if verbose else QuietTorchConfig(backend=backend)

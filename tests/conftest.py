@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def ray_session():
     import ray
 
-    from raytpu.launcher import connect
+    from raytpu.cluster import connect
 
     os.environ.pop("RAY_ADDRESS", None)
     connect("local")  # a fresh instance even when another Ray runs on this machine

@@ -51,3 +51,35 @@ def test_two_local_processes_train_fail_resume_and_match(tmp_path, capfd):
     straight, resumed = weights(run_dir), weights(tmp_path / "resumed")
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
+
+
+def test_ctrl_c_checkpoints_stops_and_the_same_command_resumes(tmp_path):
+    """SIGINT to the whole process group (what Ctrl-C does) of `raytpu train --local` after its
+    first checkpoint: the workers checkpoint the current step and stop, exit 130; the same
+    command resumes to the weights of an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    slow = ["loop.epochs=4", "loop.log_every=1", "job.step_sleep=0.1"]
+    assert train(tmp_path, "straight", *slow) == 0
+    config = tmp_path / "toy.yaml"
+    where = [f"run.storage_path={tmp_path}", "run.name=stopped"]
+    command = [sys.executable, "-m", "raytpu.cli", "train", "--local", str(config), *COMMON, *slow, *where]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "stopped" / "checkpoint_00000003").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err[-2000:]
+    assert "SIGINT received" in err and "run the same command again to resume" in err.strip().splitlines()[-1]
+    assert train(tmp_path, "stopped", *slow) == 0
+    straight, resumed = weights(tmp_path / "straight"), weights(tmp_path / "stopped")
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)

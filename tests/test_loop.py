@@ -154,7 +154,7 @@ def test_an_epoch_checkpoint_without_an_eval_carries_no_score(tmp_path):
     ],
 )
 def test_cadence_decides_eval_and_checkpoint_in_one_place(step, epoch_ended, epochs_done, expected):
-    from raytpu.loop import Cadence
+    from raytpu.reports import Cadence
 
     every_5 = Cadence(total_steps=24, every_steps=5, eval_every_epochs=1)
     by_epoch = Cadence(total_steps=24, every_steps=0, eval_every_epochs=2)
@@ -254,3 +254,40 @@ def test_a_full_disk_names_the_path_and_keeps_the_last_checkpoint(tmp_path, monk
     kept = LocalReporter(tmp_path).latest_checkpoint()
     assert kept is not None and kept.name == "checkpoint_00000004"
     assert ckpt.load_model_weights(kept).keys() == final_weights(tmp_path).keys()
+
+
+class InterruptingReporter(LocalReporter):
+    """A reporter that answers ``reason`` when asked at ``step`` (the loop asks at log steps)."""
+
+    def __init__(self, run_dir: Path, reason: str, step: int) -> None:
+        super().__init__(run_dir, num_to_keep=5)
+        self.reason, self.step, self.asked = reason, step, []
+
+    def interruption(self) -> str | None:
+        self.asked.append(len(self.reports))
+        return self.reason if len(self.asked) == self.step // 2 else None  # loop.log_every=2
+
+
+@pytest.mark.parametrize("reason", ["stop", "preempted"])
+def test_a_stop_or_a_preemption_checkpoints_the_current_step_never_as_the_best(tmp_path, reason):
+    """Asked at step 6 (between the epoch checkpoints at 8 and 16): a checkpoint of step 6 without
+    an eval (worst score, never best) whose meta says why; a stop ends the run there, and the
+    same run resumed ends with the weights of an uninterrupted one; a preemption trains on."""
+    schedule = ["loop.epochs=3"]
+    run(tmp_path / "straight", *schedule)
+    cfg, job = load_config(None, BASE + schedule)
+    reporter = InterruptingReporter(tmp_path / "run", reason, 6)
+    trainer = Trainer(cfg, job, make_runtime("cpu", "auto", 1, 0, 0), tmp_path / "run", tmp_path, reporter)
+    trainer.fit()
+    taken = ckpt.read_meta(reporter.root / "checkpoint_00000006")
+    assert taken["reason"] == reason and "valid/mse" not in taken["metrics"]
+    assert reporter.reports[0]["step"] == 6 and reporter.reports[0]["score"] == 1e30
+    if reason == "stop":
+        assert trainer.progress.step == 6 and len(reporter.reports) == 1
+        resumed = run(tmp_path / "run", *schedule)
+        assert resumed.progress.step == 24
+    else:
+        assert trainer.progress.step == 24 and [r["step"] for r in reporter.reports] == [6, 8, 16, 24]
+    straight, again = final_weights(tmp_path / "straight"), final_weights(tmp_path / "run")
+    for key in straight:
+        torch.testing.assert_close(again[key], straight[key], rtol=0, atol=0)

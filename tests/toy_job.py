@@ -4,6 +4,8 @@ outside ``jobs/`` plugs in by its dotted module path."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,8 @@ class ToyConfig(JobConfig):
     noise: float = 0.1
     dropout: float = 0.1
     vary_shape: bool = False  # a new batch shape every step: forces XLA recompiles (guard test)
+    step_sleep: float = 0.0  # seconds each training step waits: slow enough to be interrupted
+    pid_dir: str = ""  # each training process writes an empty file named by its pid here
 
 
 class ToyData(Dataset):
@@ -84,6 +88,9 @@ class ToyJob(Job):
         return decode
 
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
+        if ctx.config.job.pid_dir:
+            Path(ctx.config.job.pid_dir, str(os.getpid())).touch()
+        time.sleep(ctx.config.job.step_sleep)
         x, y = batch["x"], batch["y"]
         if ctx.config.job.vary_shape:
             keep = 1 + ctx.step % len(x)
