@@ -14,7 +14,7 @@ from pathlib import Path
 
 from raytpu.args import ConfigError, extract, parse_options, take_flag
 from raytpu.config import load_config
-from raytpu.errors import RunFailed
+from raytpu.errors import RunFailed, RunStopped
 from raytpu.job import load_job
 
 EXIT_USAGE = 2
@@ -62,8 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("config", help="YAML config, e.g. jobs/mshnet/small.yaml")
     tune.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides and the tune flags")
 
-    submit = sub.add_parser("submit", help="submit `raytpu train CONFIG` to a Ray cluster as a Ray job")
-    submit.add_argument("config", help="YAML config, e.g. jobs/mshnet/small.yaml")
+    add_launch_parser(sub)
+
+    submit = sub.add_parser(
+        "submit",
+        help="submit `raytpu train CONFIG` (or `raytpu launch SCRIPT`: `raytpu submit launch ...`) as a Ray job",
+    )
+    submit.add_argument("config", help="YAML config, e.g. jobs/mshnet/small.yaml, or `launch`")
     submit.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides, --address URL, --no-wait")
 
     doctor = sub.add_parser("doctor", help="check versions, devices and the Ray cluster")
@@ -74,6 +79,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LAUNCH_TEXT = "run an existing Accelerate / torch.distributed script, unchanged, on Ray Train workers"
+
+
+def add_launch_parser(sub: argparse._SubParsersAction) -> None:
+    add_launch_arguments(sub.add_parser("launch", help=LAUNCH_TEXT, description=LAUNCH_TEXT))
+
+
+def add_launch_arguments(launch: argparse.ArgumentParser) -> None:
+    """``raytpu launch``'s options (also read by ``raytpu submit launch``)."""
+    launch.add_argument("--num_processes", "--num-processes", type=int, help="processes (Ray workers), default 1")
+    launch.add_argument("--mixed_precision", "--mixed-precision", help="no | fp16 | bf16 | auto (default: auto)")
+    launch.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", type=int)
+    launch.add_argument("--runtime", help="cpu | cuda | xla | auto (default: auto, from the cluster)")
+    launch.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray instance)")
+    launch.add_argument("--tpu-accelerator-type", help="TPU slice type, e.g. TPU-V5LITEPOD (one process per chip)")
+    launch.add_argument("--tpu-topology", help="TPU slice topology, e.g. 2x4")
+    launch.add_argument("--max-failures", type=int, help="restarts after lost processes (default 0; -1: always)")
+    launch.add_argument("--name", help="run name (default: the script's stem); the same name resumes")
+    launch.add_argument("--storage-path", help="where runs are kept (default ./results)")
+    launch.add_argument("--cpus-per-worker", type=float, help="CPUs each process reserves (default 1)")
+    launch.add_argument("--config", help="YAML with scaling:, run: and checkpoint: sections (as raytpu train)")
+    launch.add_argument("--verbose", action="store_true", help="show Ray's own log lines too")
+    launch.add_argument("script", help="the training script, e.g. examples/accelerate/train.py")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments, untouched")
+
+
 def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # jobs outside the package load by dotted path, as with `python -m`
@@ -82,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
         print(f"raytpu: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
+    except RunStopped as exc:
+        print(f"raytpu: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
         print("raytpu: interrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
         return 130
@@ -99,6 +133,10 @@ def dispatch(args: argparse.Namespace) -> int:
         return run(args)
     if args.command == "data":
         return data_command(args)
+    if args.command == "launch":
+        from raytpu import launch
+
+        return launch.main(args, args.address)
     if args.command == "tune":
         from raytpu import tune
 

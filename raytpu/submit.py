@@ -1,4 +1,5 @@
-"""``raytpu submit CONFIG [overrides] [--address URL] [--no-wait]``: ``raytpu train`` as a Ray job.
+"""``raytpu submit CONFIG [overrides] [--address URL] [--no-wait]``: ``raytpu train`` as a Ray job
+(``raytpu submit launch [--address URL] [--no-wait] [launch options] SCRIPT [args]``: ``raytpu launch``).
 
 A thin layer over Ray's ``JobSubmissionClient`` (what ``ray job submit`` calls): the config is
 checked here first, so that a bad key fails before anything is uploaded; the project folder
@@ -171,20 +172,44 @@ def wait_for(client: Any, job_id: str) -> str:
     return str(client.get_job_status(job_id).value)
 
 
+def launch_entrypoint(items: list[str]) -> tuple[str | None, bool, Config, str]:
+    """``raytpu submit launch [--address URL] [--no-wait] [launch options] SCRIPT [args]``:
+    ``(address, wait, cfg, entrypoint)``. The options are checked as ``raytpu launch`` checks
+    them; ``--address`` is the dashboard's here (on the cluster the job finds it in
+    ``RAY_ADDRESS``); the script and its arguments pass through untouched."""
+    import argparse
+
+    from raytpu.cli import LAUNCH_TEXT, add_launch_arguments
+    from raytpu.launch import settings_from
+
+    parser = argparse.ArgumentParser(prog="raytpu submit launch", description=LAUNCH_TEXT)
+    add_launch_arguments(parser)
+    parser.add_argument("--no-wait", action="store_true", help="submit and return")
+    args = parser.parse_args(items)
+    settings = settings_from(args)
+    options, found = extract(items[: len(items) - len(args.script_args) - 1], ["--address"], switches=["--no-wait"])
+    command = ["raytpu", "launch", *options, args.script, *args.script_args]
+    return found.get("--address", [None])[0], "--no-wait" not in found, settings.as_config(), shlex.join(command)
+
+
 def main(config: str, overrides: list[str]) -> int:
     """Check the config, submit the job, print how to follow it; with waiting, its exit status."""
-    address, wait, overrides = split_args(overrides)
-    cfg, _ = load_config(config, overrides)  # a bad key fails here, before anything is uploaded
-    from raytpu.launcher import run_name
+    if config == "launch":
+        address, wait, cfg, command = launch_entrypoint(overrides)
+    else:
+        address, wait, overrides = split_args(overrides)
+        cfg, _ = load_config(config, overrides)  # a bad key fails here, before anything is uploaded
+        from raytpu.launcher import run_name
 
-    cfg.run.name = run_name(cfg, config)
+        cfg.run.name = run_name(cfg, config)
+        command = entrypoint(config, overrides)
     url = dashboard_url(address)
     client = connect(url)
     for note in cluster_warnings(cfg):
         print(f"raytpu: warning: {note}", file=sys.stderr)
     try:
         job_id = client.submit_job(
-            entrypoint=entrypoint(config, overrides),
+            entrypoint=command,
             submission_id=submission_id(cfg.run.name),
             runtime_env=runtime_env(Path.cwd()),
             metadata={"raytpu_config": config, "raytpu_run": cfg.run.name},

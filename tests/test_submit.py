@@ -28,6 +28,7 @@ from raytpu.submit import (
     dashboard_url,
     entrypoint,
     follow_up,
+    launch_entrypoint,
     runtime_env,
     split_args,
     submission_id,
@@ -146,6 +147,18 @@ def test_bad_input_is_one_line_before_anything_is_uploaded() -> None:
         bad_key.stderr.strip()
         == "raytpu: error: unknown config key 'optim.lrr'; did you mean optim.lr, optim, optim.scheduler?"
     )
+
+
+def test_a_launch_submits_raytpu_launch_with_the_script_s_own_arguments_untouched() -> None:
+    items = ["--address", "http://head:8265", "--no-wait", "--num_processes", "2", "--name", "ex"]
+    items += ["examples/accelerate/train.py", "--address", "x", "--no-wait", "--epochs", "2"]
+    address, wait, cfg, command = launch_entrypoint(items)
+    assert (address, wait, cfg.run.name, cfg.scaling.num_workers) == ("http://head:8265", False, "ex", 2)
+    assert command == (
+        "raytpu launch --num_processes 2 --name ex examples/accelerate/train.py --address x --no-wait --epochs 2"
+    )
+    with pytest.raises(ValueError, match="script 'missing.py' not found"):
+        launch_entrypoint(["--address", "http://head:8265", "missing.py"])
 
 
 # ------------------------------------------------------------------ a real head
@@ -307,3 +320,43 @@ def test_submit_mshnet_small_to_a_real_head(ray_head: dict, tmp_path: Path) -> N
         time.sleep(2)
     assert status == JobStatus.SUCCEEDED, client.get_job_logs("plain-ray-job")[-3000:]
     assert checkpoints(tmp_path / "via-ray")
+
+
+@pytest.mark.integration
+def test_submit_a_launch_to_a_real_head(ray_head: dict, tmp_path: Path) -> None:
+    """`raytpu launch` as a Ray job, through plain `ray job submit` and through `raytpu submit launch`."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    auth = {"RAY_AUTH_TOKEN": ray_head["token"]}
+
+    def launch_args(name: str) -> list[str]:
+        options = ["--num_processes", "1", "--storage-path", str(tmp_path), "--name", name]
+        script = ["examples/accelerate/train.py", "--epochs", "1", "--samples", "128", "--ckpt-every", "2"]
+        return [*options, *script, "--results-dir", str(tmp_path / name / "out")]
+
+    plain = subprocess.run(
+        [str(VENV_BIN / "ray"), "job", "submit", "--address", ray_head["address"], "--no-wait"]
+        + ["--working-dir", ".", "--submission-id", "plain-ray-launch", "--", "raytpu", "launch"]
+        + launch_args("launch-via-ray"),
+        cwd=ROOT,
+        env={**os.environ, **auth, "RAY_AUTH_MODE": "token"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-2000:]
+    done = raytpu(
+        "submit", "launch", "--address", ray_head["address"], *launch_args("launch-via-raytpu"), env=auth, timeout=400
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "submitted job:  raytpu-launch-via-raytpu-" in done.stdout
+    assert "DistributedType" in done.stdout and "succeeded" in done.stdout.splitlines()[-1]
+    client = JobSubmissionClient(ray_head["address"], headers={"Authorization": f"Bearer {ray_head['token']}"})
+    deadline = time.monotonic() + 300
+    while (status := client.get_job_status("plain-ray-launch")) not in (JobStatus.SUCCEEDED, JobStatus.FAILED):
+        assert time.monotonic() < deadline, client.get_job_logs("plain-ray-launch")[-3000:]
+        time.sleep(2)
+    assert status == JobStatus.SUCCEEDED, client.get_job_logs("plain-ray-launch")[-3000:]
+    for name in ("launch-via-ray", "launch-via-raytpu"):
+        assert '"steps": 4' in (tmp_path / name / "logs" / "rank_0.log").read_text()
+        assert list((tmp_path / name).glob("state_*"))

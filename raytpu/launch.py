@@ -1,0 +1,213 @@
+"""``raytpu launch``: an existing Accelerate (or plain ``torch.distributed``) script, unchanged, on
+Ray Train workers.
+
+The driver side: the options (named as ``accelerate launch`` names them where the meaning is
+shared), the checks that refuse a launch which can never fit, a ``TorchTrainer`` whose workers
+run the script as ``__main__`` (``raytpu.launched``), and the run's outcome: the script's exit
+status becomes the command's. Scripts may call :func:`report` to send metrics to Ray (a no-op
+when the script runs without ``raytpu launch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raytpu.config import CheckpointConfig, Config, RunConfig, ScalingConfig, build_dataclass
+from raytpu.errors import ConfigError, RunFailed
+from raytpu.runtime.base import resolve_precision
+from raytpu.validation import check_number
+
+#: ``--mixed_precision`` (Accelerate's names) -> raytpu's precision policy, and back
+PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "auto": "auto"}
+ACCELERATE_NAMES = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
+#: environment variable naming the run's launch-state actor inside a launched script
+STATE_ENV = "RAYTPU_LAUNCH_STATE"
+#: environment variable holding the checkpoint a restarted script resumes from
+RESUME_ENV = "RAYTPU_RESUME_FROM"
+
+
+def report(metrics: dict[str, Any]) -> None:
+    """Send ``metrics`` (numbers) to Ray Train from a launched script's main process; outside
+    ``raytpu launch`` it does nothing, so a script keeps running under ``python`` or
+    ``accelerate launch``."""
+    name = os.environ.get(STATE_ENV)
+    if not name or os.environ.get("RANK", "0") != "0":
+        return
+    import ray
+
+    ray.get_actor(name).publish.remote("metrics", {k: float(v) for k, v in metrics.items()})
+
+
+@dataclass
+class LaunchSettings:
+    """Everything ``raytpu launch`` was asked, checked on the driver."""
+
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    mixed_precision: str = "auto"  # no | fp16 | bf16 | auto
+    gradient_accumulation_steps: int = 1
+    verbose: bool = False
+
+    def as_config(self) -> Config:
+        """A raytpu config holding these settings, for the launcher's scheduling helpers."""
+        return Config(scaling=self.scaling, run=self.run, checkpoint=self.checkpoint)
+
+
+def settings_from(args: Any) -> LaunchSettings:
+    """The parsed ``raytpu launch`` arguments (and ``--config``'s sections), checked."""
+    sections = read_sections(args.config) if args.config else {}
+    settings = LaunchSettings(
+        script=args.script,
+        script_args=list(args.script_args),
+        scaling=build_dataclass(ScalingConfig, sections.get("scaling"), "scaling."),
+        run=build_dataclass(RunConfig, sections.get("run"), "run."),
+        checkpoint=build_dataclass(CheckpointConfig, sections.get("checkpoint"), "checkpoint."),
+        verbose=args.verbose,
+    )
+    flags = {
+        "num_processes": ("scaling", "num_workers"),
+        "runtime": ("scaling", "runtime"),
+        "cpus_per_worker": ("scaling", "cpus_per_worker"),
+        "name": ("run", "name"),
+        "storage_path": ("run", "storage_path"),
+        "max_failures": ("checkpoint", "max_failures"),
+    }
+    for flag, (section, key) in flags.items():
+        if getattr(args, flag) is not None:
+            setattr(getattr(settings, section), key, getattr(args, flag))
+    if args.tpu_accelerator_type:
+        settings.scaling.tpu.accelerator_type = args.tpu_accelerator_type
+        settings.scaling.tpu.topology = args.tpu_topology or ""
+        settings.scaling.tpu.layout = "multiprocess"  # Accelerate has no SPMD mode: one process per chip
+    settings.mixed_precision = args.mixed_precision or "auto"
+    settings.gradient_accumulation_steps = args.gradient_accumulation_steps or 1
+    check(settings)
+    return settings
+
+
+def read_sections(path: str) -> dict[str, Any]:
+    from raytpu.config import read_yaml
+
+    if not Path(path).is_file():
+        raise ConfigError(f"--config {path!r} not found; pass a YAML file with a scaling: section")
+    raw = read_yaml(Path(path)) or {}
+    unknown = sorted(set(raw) - {"scaling", "run", "checkpoint"})
+    if unknown:
+        raise ConfigError(
+            f"--config {path}: raytpu launch reads the scaling, run and checkpoint sections, not {unknown}"
+        )
+    return raw
+
+
+def check(settings: LaunchSettings) -> None:
+    script = Path(settings.script)
+    if not script.is_file():
+        raise ConfigError(f"script {settings.script!r} not found; give the path of the training script to run")
+    if settings.mixed_precision not in PRECISIONS:
+        raise ConfigError(f"--mixed_precision {settings.mixed_precision!r} is not one of {', '.join(PRECISIONS)}")
+    if settings.scaling.runtime not in ("auto", "cpu", "cuda", "xla"):
+        raise ConfigError(f"--runtime {settings.scaling.runtime!r} is not one of auto, cpu, cuda, xla")
+    check_number("--num_processes", settings.scaling.num_workers, (1, True))
+    check_number("--gradient_accumulation_steps", settings.gradient_accumulation_steps, (1, True))
+    check_number("--cpus-per-worker", settings.scaling.cpus_per_worker, (0, True))
+    check_number("--max-failures", settings.checkpoint.max_failures, (-1, True))
+    settings.run.name = settings.run.name or script.stem
+
+
+# ------------------------------------------------------------------ the run
+def main(args: Any, address: str | None) -> int:
+    """``raytpu launch``: run the script on Ray Train workers; the script's exit status."""
+    from raytpu import preflight
+    from raytpu.cluster import check_reachable, connect
+    from raytpu.launcher import cluster_runtime, worker_bundles
+
+    settings = settings_from(args)
+    cfg = settings.as_config()
+    preflight.check_storage(cfg)
+    check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
+    connect(address, verbose=settings.verbose)
+    cfg.scaling.runtime = cluster_runtime(cfg.scaling.runtime)
+    preflight.check_fit(worker_bundles(cfg), f"{cfg.scaling.num_workers} {cfg.scaling.runtime} process(es)")
+    precision, warning = resolve_precision(cfg.scaling.runtime, PRECISIONS[settings.mixed_precision])
+    if warning:
+        print(f"raytpu: warning: {warning}", file=sys.stderr, flush=True)
+    print(
+        f"raytpu: launch {settings.script} as run {cfg.run.name}: {cfg.scaling.num_workers} {cfg.scaling.runtime} "
+        f"process(es), mixed precision {ACCELERATE_NAMES[precision]}",
+        flush=True,
+    )
+    return run(settings, cfg, ACCELERATE_NAMES[precision])
+
+
+def run(settings: LaunchSettings, cfg: Config, mixed_precision: str) -> int:
+    import ray
+    from ray.train import TrainingFailedError
+
+    from raytpu.launched import LaunchState
+
+    state_name = f"raytpu-launch-{uuid.uuid4().hex[:12]}"
+    state = ray.remote(num_cpus=0)(LaunchState).options(name=state_name).remote()
+    run_dir = Path(cfg.run.storage_path).resolve() / cfg.run.name
+    payload = {
+        "script": str(Path(settings.script).resolve()),
+        "script_args": settings.script_args,
+        "working_dir": os.getcwd(),
+        "run_dir": str(run_dir),
+        "runtime": cfg.scaling.runtime,
+        "mixed_precision": mixed_precision,
+        "gradient_accumulation_steps": settings.gradient_accumulation_steps,
+        "tpu": dataclasses.asdict(cfg.scaling.tpu),
+        "state": state_name,
+        "verbose": settings.verbose,
+    }
+    try:
+        trainer(cfg, payload, settings.verbose).fit()
+    except TrainingFailedError as exc:
+        failure = ray.get(state.failure.remote())
+        if failure is None:  # not the script's own error: a lost process, retried up to --max-failures
+            from raytpu.launcher import root_cause
+
+            raise RunFailed(*root_cause(exc)) from exc
+    failure = ray.get(state.failure.remote())
+    print(f"raytpu: logs of every process: {run_dir / 'logs'}", flush=True)
+    if failure is None:
+        return 0
+    rank, code, details = failure
+    if code == 1 and details:
+        last = details.strip().splitlines()[-1]
+        raise RunFailed(f"rank {rank}: {last}", details)
+    print(f"raytpu: rank {rank} exited with status {code}", file=sys.stderr, flush=True)
+    return code
+
+
+def trainer(cfg: Config, payload: dict[str, Any], verbose: bool) -> Any:
+    from ray.train import CheckpointConfig as RayCheckpointConfig
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytpu.launched import launched_worker_entry
+    from raytpu.launcher import scaling_kwargs
+    from raytpu.xla_backend import torch_config
+
+    return TorchTrainer(
+        launched_worker_entry,
+        train_loop_config=payload,
+        scaling_config=ScalingConfig(**scaling_kwargs(cfg)),
+        torch_config=torch_config(cfg.scaling.runtime, verbose),
+        run_config=RunConfig(
+            name=cfg.run.name,
+            storage_path=str(Path(cfg.run.storage_path).resolve()),
+            checkpoint_config=RayCheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
+            failure_config=FailureConfig(max_failures=cfg.checkpoint.max_failures),
+            logging_config=LoggingConfig(log_level="INFO" if verbose else "WARNING"),
+        ),
+    )

@@ -1,0 +1,218 @@
+"""``raytpu launch``: Accelerate's own distributed tests and the example script, unchanged, on 2
+local Ray CPU workers; the example on the XLA CPU device; restarts; one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import accelerate
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raytpu import cli
+from tests.conftest import ROOT
+
+EXAMPLE = str(ROOT / "examples" / "accelerate" / "train.py")
+ACCELERATE_SCRIPTS = Path(accelerate.__file__).parent / "test_utils" / "scripts"
+
+
+def launch(tmp_path: Path, name: str, *argv: str) -> int:
+    return cli.main(["launch", "--storage-path", str(tmp_path / "runs"), "--name", name, *argv])
+
+
+def log_of(tmp_path: Path, name: str, rank: int = 0) -> str:
+    return (tmp_path / "runs" / name / "logs" / f"rank_{rank}.log").read_text()
+
+
+def final_weights(results: Path) -> dict[str, torch.Tensor]:
+    return load_file(results / "final.safetensors")
+
+
+# ------------------------------------------------------------------ no Ray needed
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["launch", "nowhere.py"], "script 'nowhere.py' not found"),
+        (["launch", "--mixed_precision", "fp8", EXAMPLE], "--mixed_precision 'fp8' is not one of no, fp16, bf16, auto"),
+        (["launch", "--num_processes", "0", EXAMPLE], "--num_processes must be at least 1"),
+        (["launch", "--runtime", "tpu", EXAMPLE], "--runtime 'tpu' is not one of auto, cpu, cuda, xla"),
+        (["launch", "--num_processes", "two", EXAMPLE], "argument --num_processes/--num-processes: invalid int"),
+        (["launch"], "the following arguments are required: script"),
+        (["launch", "--config", "nope.yaml", EXAMPLE], "--config 'nope.yaml' not found"),
+    ],
+)
+def test_bad_launches_are_one_line(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("raytpu: error: ") and "\n" not in err and message in err, err
+
+
+def test_a_config_file_gives_the_scaling_and_an_unknown_section_is_refused(tmp_path):
+    from raytpu.launch import settings_from
+
+    config = tmp_path / "launch.yaml"
+    config.write_text("scaling: {num_workers: 4, runtime: cpu}\nrun: {name: mine}\n")
+    args = cli.build_parser().parse_args(["launch", "--config", str(config), "--num_processes", "2", EXAMPLE, "-x"])
+    settings = settings_from(args)
+    assert (settings.scaling.num_workers, settings.scaling.runtime, settings.run.name) == (2, "cpu", "mine")
+    assert settings.script_args == ["-x"]
+    config.write_text("loop: {epochs: 3}\n")
+    with pytest.raises(ValueError, match="reads the scaling, run and checkpoint sections"):
+        settings_from(args)
+
+
+def test_a_tpu_slice_launches_one_process_per_chip():
+    from raytpu.launch import settings_from
+    from raytpu.launcher import scaling_kwargs
+
+    argv = ["launch", "--tpu-accelerator-type", "TPU-V5LITEPOD", "--tpu-topology", "2x4", "--runtime", "xla"]
+    args = cli.build_parser().parse_args([*argv, "--num_processes", "8", EXAMPLE])
+    settings = settings_from(args)
+    kwargs = scaling_kwargs(settings.as_config())
+    assert settings.scaling.tpu.layout == "multiprocess"
+    assert kwargs["num_workers"] == 8 and kwargs["use_tpu"] and kwargs["resources_per_worker"]["TPU"] == 1
+
+
+#: (tpu worker id, host) of world ranks 0-7 as Ray reserves them: a host's workers together, the
+#: v4-16's hosts in reservation order (worker 1 first), not by worker id
+V5E_8 = [(0, "10.0.0.1")] * 8
+V4_16 = [(1, "10.0.0.2")] * 4 + [(0, "10.0.0.1")] * 4
+
+
+@pytest.mark.parametrize(
+    "accelerator_type, topology, placements", [("TPU-V5LITEPOD", "2x4", V5E_8), ("TPU-V4", "2x2x2", V4_16)]
+)
+def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, topology, placements):
+    """v5e-8 (one host, 8 chips) and v4-16 (two hosts of 4 chips, reserved by Ray in the other
+    order): every launched process gets torch_xla's per-chip environment, a distinct task id
+    for every chip of the slice, and bf16 from ``--mixed_precision auto``; nothing that would
+    keep Accelerate off XLA."""
+    from raytpu.launch import ACCELERATE_NAMES, PRECISIONS, settings_from
+    from raytpu.launched import process_environment
+    from raytpu.runtime.base import resolve_precision
+    from raytpu.tpu import chip_process_env, slice_spec
+
+    argv = ["launch", "--tpu-accelerator-type", accelerator_type, "--tpu-topology", topology, "--runtime", "xla"]
+    settings = settings_from(cli.build_parser().parse_args([*argv, "--num_processes", "8", EXAMPLE]))
+    spec = slice_spec(accelerator_type, topology)
+    precision, _ = resolve_precision("xla", PRECISIONS[settings.mixed_precision])
+    payload = {"runtime": "xla", "state": "s", "mixed_precision": ACCELERATE_NAMES[precision]}
+    payload["gradient_accumulation_steps"] = 1
+    envs = [process_environment(payload, chip_process_env(rank, placements, spec)) for rank in range(8)]
+    assert sorted(int(env["CLOUD_TPU_TASK_ID"]) for env in envs) == list(range(8))
+    assert {env["PJRT_DEVICE"] for env in envs} == {"TPU"}
+    assert {env["ACCELERATE_MIXED_PRECISION"] for env in envs} == {"bf16"}
+    assert all("USE_TORCH_XLA" not in env and "ACCELERATE_USE_CPU" not in env for env in envs)
+    assert {env["TPU_VISIBLE_CHIPS"] for env in envs} == {str(chip) for chip in range(spec.chips_per_host)}
+    assert len({env["TPU_PROCESS_ADDRESSES"] for env in envs}) == 1
+
+
+# ------------------------------------------------------------------ on Ray
+@pytest.mark.integration
+@pytest.mark.parametrize("script", ["test_script.py", "test_sync.py"])
+def test_accelerate_s_own_distributed_tests_pass_on_two_ray_workers(ray_session, tmp_path, script):
+    """Accelerate's test scripts, as ``accelerate test`` runs them, with no environment set by the
+    user: really distributed over the gloo group (MULTI_CPU, 2 processes), not one process each."""
+    code = launch(tmp_path, script, "--num_processes", "2", str(ACCELERATE_SCRIPTS / script))
+    log = log_of(tmp_path, script)
+    assert code == 0, log[-3000:]
+    if script == "test_script.py":
+        assert "Distributed environment: DistributedType.MULTI_CPU" in log and "Num processes: 2" in log, log[:2000]
+    else:
+        assert "**Test Distributed `no_sync` context manager**" in log, log[-2000:]
+    assert "Process index: 1" in log_of(tmp_path, script, 1) or script == "test_sync.py"
+
+
+@pytest.mark.integration
+def test_the_example_on_two_workers_equals_one_process_and_its_states_are_ray_checkpoints(ray_session, tmp_path):
+    common = ["--epochs", "2", "--global-batch-size", "32"]
+    single = subprocess.run(
+        [sys.executable, EXAMPLE, *common, "--results-dir", str(tmp_path / "single")],
+        env={**os.environ, "USE_TORCH_XLA": "0", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    code = launch(tmp_path, "example", "--num_processes", "2", EXAMPLE, *common, "--results-dir", str(tmp_path / "two"))
+    logs = [log_of(tmp_path, "example", rank) for rank in (0, 1)]
+    assert code == 0, logs[0][-3000:]
+    assert "DistributedType.MULTI_CPU, 2 process(es)" in logs[0]
+    assert "process 0 of 2" in logs[0] and "process 1 of 2" in logs[1]
+    summary = json.loads(logs[0].strip().splitlines()[-1])
+    assert summary["processes"] == 2 and summary["steps"] == 64
+    one, two = final_weights(tmp_path / "single"), final_weights(tmp_path / "two")
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+    reported = sorted(p.name for p in (tmp_path / "runs" / "example").iterdir() if p.name.startswith("state_"))
+    assert reported and all((tmp_path / "runs" / "example" / n / "model.safetensors").is_file() for n in reported)
+
+
+@pytest.mark.integration
+def test_a_killed_process_restarts_from_the_last_saved_state(ray_session, tmp_path):
+    run_dir = tmp_path / "runs" / "killed"
+
+    def kill_a_worker() -> None:
+        deadline = time.monotonic() + 120
+        # two reported states: the first one's report (a barrier of all workers) is complete
+        while len(list(run_dir.glob("state_*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        line = next(line for line in log_of(tmp_path, "killed", 1).splitlines() if line.startswith("process 1 of 2"))
+        os.kill(int(line.split("(pid ")[1].rstrip(")")), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_a_worker, daemon=True)
+    killer.start()
+    argv = ["--num_processes", "2", "--max-failures", "1", EXAMPLE, "--epochs", "2", "--step-sleep", "0.25"]
+    code = launch(tmp_path, "killed", *argv, "--results-dir", str(tmp_path / "out"))
+    killer.join()
+    assert code == 0, log_of(tmp_path, "killed")[-3000:]
+    log = log_of(tmp_path, "killed")
+    assert "resumed at step" in log and '"steps": 64' in log, log[-2000:]
+
+
+@pytest.mark.integration
+def test_a_raising_script_is_its_traceback_then_one_line_and_sys_exit_is_the_status(ray_session, tmp_path, capfd):
+    raising = tmp_path / "raising.py"
+    raising.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('bad batch 7')\n")
+    capfd.readouterr()
+    assert launch(tmp_path, "raising", "--num_processes", "2", "--max-failures", "2", str(raising)) == 1
+    err = capfd.readouterr().err.strip().splitlines()
+    assert "Traceback" in "\n".join(err) and err[-1] == "raytpu: error: rank 1: ValueError: bad batch 7", err[-8:]
+    exiting = tmp_path / "exiting.py"
+    exiting.write_text("import sys\nsys.exit(3)\n")
+    assert launch(tmp_path, "exiting", "--num_processes", "2", str(exiting)) == 3
+
+
+@pytest.mark.integration
+def test_the_example_on_the_xla_cpu_device_computes_in_bf16(ray_session, tmp_path):
+    """One worker on the XLA runtime (the CPU PJRT device): ``--mixed_precision auto`` is bf16,
+    an fp16 request becomes bf16 (the flag, and the script's own Accelerator(mixed_precision="fp16")),
+    each seen in the dtype the forward pass computes in."""
+    argv = ["--runtime", "xla", EXAMPLE, "--epochs", "1", "--samples", "256"]
+    assert launch(tmp_path, "xla-auto", *argv, "--results-dir", str(tmp_path / "a")) == 0
+    log = log_of(tmp_path, "xla-auto")
+    assert "DistributedType.XLA, 1 process(es)" in log and "forward dtype torch.bfloat16" in log, log[-2000:]
+    assert launch(tmp_path, "xla-fp16", "--mixed_precision", "fp16", *argv, "--results-dir", str(tmp_path / "b")) == 0
+    assert "forward dtype torch.bfloat16" in log_of(tmp_path, "xla-fp16")
+    own = tmp_path / "own_fp16.py"
+    own.write_text(
+        "import torch\nfrom accelerate import Accelerator\n"
+        "accelerator = Accelerator(mixed_precision='fp16')\n"
+        "model = accelerator.prepare(torch.nn.Sequential(torch.nn.Linear(4, 2)))\n"
+        "seen = []\n"
+        "accelerator.unwrap_model(model)[0].register_forward_hook(lambda m, i, out: seen.append(out.dtype) or None)\n"
+        "with accelerator.autocast():\n"
+        "    model(torch.ones(3, 4, device=accelerator.device))\n"
+        "print('forward dtype', seen[0])\n"
+    )
+    assert launch(tmp_path, "xla-own", "--runtime", "xla", str(own)) == 0
+    log = log_of(tmp_path, "xla-own")
+    assert "forward dtype torch.bfloat16" in log and "using bf16 instead" in log, log[-2000:]
