@@ -8,6 +8,7 @@ command's own options out; :func:`parse_overrides` turns the rest into ``(key, v
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import inspect
 import re
@@ -121,3 +122,10 @@ def parse_options(items: list[str], fn: Callable[..., Any]) -> dict[str, Any]:
         options[name] = parse_value(value)
         index += 1
     return options
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one ``raytpu: error:`` line (exit 2), not usage text."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see `{self.prog} --help`)")

@@ -12,20 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-from raytpu.args import ConfigError, extract, parse_options, take_flag
+from raytpu.args import ConfigError, Parser, extract, parse_options, take_flag
 from raytpu.config import load_config
 from raytpu.errors import RunFailed, RunStopped
 from raytpu.job import load_job
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse that reports a usage mistake as one ``raytpu: error:`` line (exit 2), not usage text."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (see `{self.prog} --help`)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,30 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-LAUNCH_TEXT = "run an existing Accelerate / torch.distributed script, unchanged, on Ray Train workers"
-
-
 def add_launch_parser(sub: argparse._SubParsersAction) -> None:
+    from raytpu.launch import LAUNCH_TEXT, add_launch_arguments
+
     add_launch_arguments(sub.add_parser("launch", help=LAUNCH_TEXT, description=LAUNCH_TEXT))
-
-
-def add_launch_arguments(launch: argparse.ArgumentParser) -> None:
-    """``raytpu launch``'s options (also read by ``raytpu submit launch``)."""
-    launch.add_argument("--num_processes", "--num-processes", type=int, help="processes (Ray workers), default 1")
-    launch.add_argument("--mixed_precision", "--mixed-precision", help="no | fp16 | bf16 | auto (default: auto)")
-    launch.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", type=int)
-    launch.add_argument("--runtime", help="cpu | cuda | xla | auto (default: auto, from the cluster)")
-    launch.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray instance)")
-    launch.add_argument("--tpu-accelerator-type", help="TPU slice type, e.g. TPU-V5LITEPOD (one process per chip)")
-    launch.add_argument("--tpu-topology", help="TPU slice topology, e.g. 2x4")
-    launch.add_argument("--max-failures", type=int, help="restarts after lost processes (default 0; -1: always)")
-    launch.add_argument("--name", help="run name (default: the script's stem); the same name resumes")
-    launch.add_argument("--storage-path", help="where runs are kept (default ./results)")
-    launch.add_argument("--cpus-per-worker", type=float, help="CPUs each process reserves (default 1)")
-    launch.add_argument("--config", help="YAML with scaling:, run: and checkpoint: sections (as raytpu train)")
-    launch.add_argument("--verbose", action="store_true", help="show Ray's own log lines too")
-    launch.add_argument("script", help="the training script, e.g. examples/accelerate/train.py")
-    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments, untouched")
 
 
 def main(argv: list[str] | None = None) -> int:

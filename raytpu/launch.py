@@ -10,6 +10,7 @@ when the script runs without ``raytpu launch``).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -20,28 +21,35 @@ from typing import Any
 
 from raytpu.config import CheckpointConfig, Config, RunConfig, ScalingConfig, build_dataclass
 from raytpu.errors import ConfigError, RunFailed
+from raytpu.launched import RESUME_ENV, STATE_ENV, report
 from raytpu.runtime.base import resolve_precision
 from raytpu.validation import check_number
 
 #: ``--mixed_precision`` (Accelerate's names) -> raytpu's precision policy, and back
 PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "auto": "auto"}
 ACCELERATE_NAMES = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
-#: environment variable naming the run's launch-state actor inside a launched script
-STATE_ENV = "RAYTPU_LAUNCH_STATE"
-#: environment variable holding the checkpoint a restarted script resumes from
-RESUME_ENV = "RAYTPU_RESUME_FROM"
+#: what scripts and tests import from here: ``report`` and the names of the launch environment
+__all__ = ["RESUME_ENV", "STATE_ENV", "LaunchSettings", "add_launch_arguments", "main", "report", "settings_from"]
+LAUNCH_TEXT = "run an existing Accelerate / torch.distributed script, unchanged, on Ray Train workers"
 
 
-def report(metrics: dict[str, Any]) -> None:
-    """Send ``metrics`` (numbers) to Ray Train from a launched script's main process; outside
-    ``raytpu launch`` it does nothing, so a script keeps running under ``python`` or
-    ``accelerate launch``."""
-    name = os.environ.get(STATE_ENV)
-    if not name or os.environ.get("RANK", "0") != "0":
-        return
-    import ray
-
-    ray.get_actor(name).publish.remote("metrics", {k: float(v) for k, v in metrics.items()})
+def add_launch_arguments(launch: argparse.ArgumentParser) -> None:
+    """``raytpu launch``'s options (also read by ``raytpu submit launch``)."""
+    launch.add_argument("--num_processes", "--num-processes", type=int, help="processes (Ray workers), default 1")
+    launch.add_argument("--mixed_precision", "--mixed-precision", help="no | fp16 | bf16 | auto (default: auto)")
+    launch.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", type=int)
+    launch.add_argument("--runtime", help="cpu | cuda | xla | auto (default: auto, from the cluster)")
+    launch.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray instance)")
+    launch.add_argument("--tpu-accelerator-type", help="TPU slice type, e.g. TPU-V5LITEPOD (one process per chip)")
+    launch.add_argument("--tpu-topology", help="TPU slice topology, e.g. 2x4")
+    launch.add_argument("--max-failures", type=int, help="restarts after lost processes (default 0; -1: always)")
+    launch.add_argument("--name", help="run name (default: the script's stem); the same name resumes")
+    launch.add_argument("--storage-path", help="where runs are kept (default ./results)")
+    launch.add_argument("--cpus-per-worker", type=float, help="CPUs each process reserves (default 1)")
+    launch.add_argument("--config", help="YAML with scaling:, run: and checkpoint: sections (as raytpu train)")
+    launch.add_argument("--verbose", action="store_true", help="show Ray's own log lines too")
+    launch.add_argument("script", help="the training script, e.g. examples/accelerate/train.py")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments, untouched")
 
 
 @dataclass

@@ -33,7 +33,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from raytpu.launch import RESUME_ENV, STATE_ENV
+#: environment variable naming the run's launch-state actor inside a launched script
+STATE_ENV = "RAYTPU_LAUNCH_STATE"
+#: environment variable holding the checkpoint a restarted script resumes from
+RESUME_ENV = "RAYTPU_RESUME_FROM"
+
+
+def report(metrics: dict[str, Any]) -> None:
+    """Send ``metrics`` (numbers) to Ray Train from a launched script's main process; outside
+    ``raytpu launch`` it does nothing, so a script keeps running under ``python`` or
+    ``accelerate launch``."""
+    name = os.environ.get(STATE_ENV)
+    if not name or os.environ.get("RANK", "0") != "0":
+        return
+    import ray
+
+    ray.get_actor(name).publish.remote("metrics", {k: float(v) for k, v in metrics.items()})
 
 
 class LaunchState:
@@ -186,8 +201,6 @@ def patch_accelerate(runtime: str, state_name: str, rank: int) -> None:
     except ImportError:
         return
     import ray
-
-    from raytpu.launch import report
 
     init, save_state, load_state, log = (
         Accelerator.__init__,

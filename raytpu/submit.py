@@ -177,12 +177,10 @@ def launch_entrypoint(items: list[str]) -> tuple[str | None, bool, Config, str]:
     ``(address, wait, cfg, entrypoint)``. The options are checked as ``raytpu launch`` checks
     them; ``--address`` is the dashboard's here (on the cluster the job finds it in
     ``RAY_ADDRESS``); the script and its arguments pass through untouched."""
-    import argparse
+    from raytpu.args import Parser
+    from raytpu.launch import LAUNCH_TEXT, add_launch_arguments, settings_from
 
-    from raytpu.cli import LAUNCH_TEXT, add_launch_arguments
-    from raytpu.launch import settings_from
-
-    parser = argparse.ArgumentParser(prog="raytpu submit launch", description=LAUNCH_TEXT)
+    parser = Parser(prog="raytpu submit launch", description=LAUNCH_TEXT)
     add_launch_arguments(parser)
     parser.add_argument("--no-wait", action="store_true", help="submit and return")
     args = parser.parse_args(items)
