@@ -6,7 +6,7 @@ environment Accelerate needs for that, ``USE_TORCH_XLA=0 ACCELERATE_USE_CPU=true
 measures its own throughput after its first log interval. Whole-command wall times (start-up
 included) are printed separately. Last line: ``ratio=<raytpu launch / torchrun samples/s>``.
 
-    python bench/launch_overhead.py [--rounds 2] [--samples 16384]
+    python bench/launch_overhead.py [--rounds 3] [--samples 65536]
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def throughput(command: list[str], env: dict[str, str], summary_file: Path | Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--samples", type=int, default=16384)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=65536)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="raytpu-launch-bench-"))
     script = [EXAMPLE, "--epochs", "2", "--samples", str(args.samples), "--log-every", "32", "--ckpt-every", "100000"]

@@ -57,6 +57,7 @@ class LaunchState:
 
     def __init__(self) -> None:
         self.entries: list[tuple[str, Any]] = []
+        self.read = 0  # entries before this index were polled by a worker: they never change again
         self.finished: set[int] = set()
         self.failed: tuple[int, int, str] | None = None
         self.workers: dict[int, Any] = {}
@@ -69,6 +70,13 @@ class LaunchState:
         return [actor for other, actor in self.workers.items() if other != rank]
 
     def publish(self, kind: str, value: Any) -> None:
+        """Add an entry. Metrics logged while the previous metrics entry is still unread join it:
+        every ``ray.train.report`` is a barrier of all workers that costs about a second, so a
+        script that logs every few milliseconds must not queue one report per log call."""
+        last = len(self.entries) - 1
+        if kind == "metrics" and last >= self.read and self.entries[last][0] == "metrics":
+            self.entries[last] = ("metrics", {**self.entries[last][1], **value})
+            return
         self.entries.append((kind, value))
 
     def finish(self, rank: int) -> None:
@@ -79,7 +87,9 @@ class LaunchState:
 
     def poll(self, index: int, world: int) -> tuple[list[tuple[str, Any]], bool]:
         """The entries from ``index`` on, and whether they are the last (every rank finished, or
-        the script failed): one actor call, so the two answers agree."""
+        the script failed): one actor call, so the two answers agree. Every worker sees the same
+        entries, whenever it polls: a polled entry is never merged into again."""
+        self.read = max(self.read, len(self.entries))
         return self.entries[index:], len(self.finished) >= world or self.failed is not None
 
     def fail(self, rank: int, code: int, details: str) -> None:

@@ -120,10 +120,14 @@ def train(cfg: Config, job: Job, data_root: Path, run_dir: Path) -> dict[str, An
     payload = run_dir / ".local-payload.json"
     payload.write_text(json.dumps({"config": to_dict(cfg), "run_dir": str(run_dir), "data_root": str(data_root)}))
     world, port = cfg.scaling.num_workers, free_port()
+    # intra-op threads per process as Ray gives its workers (their CPUs; torchrun: 1), so that
+    # the processes do not oversubscribe the cores; an OMP_NUM_THREADS set by the user wins
+    threads = max(1, int(cfg.scaling.cpus_per_worker))
     processes, copiers = [], []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
+        env.setdefault("OMP_NUM_THREADS", str(threads))
         log = open(run_dir / "logs" / f"rank_{rank}.log", "w")  # noqa: SIM115 (closed by wait_all)
         command = [sys.executable, "-m", "raytpu.local", str(payload)]
         if rank == 0:  # its output is the console's; its errors are kept too

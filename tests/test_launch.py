@@ -115,6 +115,23 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     assert len({env["TPU_PROCESS_ADDRESSES"] for env in envs}) == 1
 
 
+def test_metrics_logged_between_polls_become_one_report_and_polled_entries_never_change():
+    """Every worker reports the same entries (each report is a barrier), however its polls fall."""
+    from raytpu.launched import LaunchState
+
+    state = LaunchState()
+    for step in range(3):
+        state.publish("metrics", {"loss": float(step), f"m{step}": 1.0})
+    fast, _ = state.poll(0, 2)  # one worker reads now
+    state.publish("metrics", {"loss": 9.0})
+    state.publish("checkpoint", "/state_1")
+    state.publish("metrics", {"loss": 10.0})
+    state.publish("metrics", {"acc": 0.5})
+    slow, _ = state.poll(0, 2)  # the other one only now
+    assert fast == [("metrics", {"loss": 2.0, "m0": 1.0, "m1": 1.0, "m2": 1.0})] == slow[:1]
+    assert slow[1:] == [("metrics", {"loss": 9.0}), ("checkpoint", "/state_1"), ("metrics", {"loss": 10.0, "acc": 0.5})]
+
+
 # ------------------------------------------------------------------ on Ray
 @pytest.mark.integration
 @pytest.mark.parametrize("script", ["test_script.py", "test_sync.py"])

@@ -16,7 +16,6 @@ from jobs.mshnet import metrics
 from jobs.mshnet.data import IMAGENET_MEAN, IMAGENET_STD, LISTS, IRSTDDataset, IRSTDTransform, decode_pair, read_names
 from jobs.mshnet.loss import mshnet_loss
 from jobs.mshnet.model import MSHNet, init_fusion_as_level0
-from jobs.mshnet.synth import synthesize
 from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
 
 
@@ -96,6 +95,8 @@ class MSHNetJob(Job):
         return IRSTDDataset(data_root, source, cfg.job.base_size, cfg.job.crop_size, cfg.run.seed)
 
     def synthesize(self, out: Path, n: int = 100, size: int = 128, seed: int = 0) -> None:
+        from jobs.mshnet.synth import synthesize  # scikit-image's filters: only when data is made
+
         synthesize(out, n=n, size=size, seed=seed)
 
     def synth_options(self, cfg: Any) -> dict[str, Any]:
