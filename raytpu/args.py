@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import difflib
 import inspect
+import json
 import re
-from collections.abc import Callable, Iterable
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -65,9 +68,37 @@ def take_flag(items: list[str], flag: str) -> str | None:
     return found[flag][0] if flag in found else None
 
 
-def parse_overrides(items: list[str], aliases: dict[str, str]) -> list[tuple[str, Any]]:
-    """``["a.b=1", "--batch-size", "8", "--lr=0.1"]`` -> ``[("a.b", 1), ...]``; ``aliases`` maps
-    flags and short keys to dotted keys."""
+@dataclass(frozen=True)
+class Flag:
+    """A flag that is more than ``--flag VALUE`` -> one key: a bare boolean (``--bf16``, optionally
+    followed by ``true``/``false`` as Transformers' parser takes it), a value turned into several
+    keys or checked (``convert``), or a flag accepted and ignored with a one-line warning."""
+
+    key: str = ""
+    switch: bool = False
+    convert: Callable[[Any], list[tuple[str, Any]]] | None = None
+    ignored: str = ""  # why the flag has no effect (printed as a warning)
+
+    def pairs(self, flag: str, value: Any) -> list[tuple[str, Any]]:
+        if self.ignored:
+            warn(f"{flag} {value} is ignored: {self.ignored}")
+            return []
+        if self.convert is not None:
+            return self.convert(value)
+        return [(self.key, value)]
+
+
+Alias = str | Flag
+BOOLEAN_WORDS = {"true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
+
+
+def warn(text: str) -> None:
+    print(f"raytpu: warning: {text}", file=sys.stderr, flush=True)
+
+
+def parse_overrides(items: list[str], aliases: Mapping[str, Alias]) -> list[tuple[str, Any]]:
+    """``["a.b=1", "--batch-size", "8", "--lr=0.1", "--bf16"]`` -> ``[("a.b", 1), ...]``; ``aliases``
+    maps flags and short keys to dotted keys or :class:`Flag` rules."""
     pairs: list[tuple[str, Any]] = []
     index = 0
     while index < len(items):
@@ -75,10 +106,19 @@ def parse_overrides(items: list[str], aliases: dict[str, str]) -> list[tuple[str
         index += 1
         if item.startswith("--"):
             flag, sep, value = item.partition("=")
-            if flag not in aliases:
-                close = difflib.get_close_matches(flag, [a for a in aliases if a.startswith("--")], n=3)
-                hint = f"; did you mean {', '.join(close)}?" if close else ""
-                raise ConfigError(f"unknown flag {flag}{hint}")
+            alias = aliases.get(flag)
+            if alias is None:
+                raise ConfigError(unknown_flag_message(flag, aliases))
+            rule = alias if isinstance(alias, Flag) else Flag(key=alias)
+            if rule.switch:
+                if not sep and index < len(items) and items[index].lower() in BOOLEAN_WORDS:
+                    value, sep = items[index], "="
+                    index += 1
+                parsed = BOOLEAN_WORDS.get(value.lower()) if sep else True
+                if parsed is None:
+                    raise ConfigError(f"flag {flag} takes no value or true/false, got {value!r}")
+                pairs.extend(rule.pairs(flag, parsed))
+                continue
             if not sep:
                 if index >= len(items) or items[index].startswith("--") or OVERRIDE.match(items[index]):
                     raise ConfigError(f"flag {flag} needs a value, e.g. {flag} VALUE")
@@ -86,17 +126,38 @@ def parse_overrides(items: list[str], aliases: dict[str, str]) -> list[tuple[str
                 index += 1
             if not value.strip():
                 raise ConfigError(f"flag {flag} has an empty value; write {flag}=VALUE")
-            pairs.append((aliases[flag], parse_value(value)))
+            pairs.extend(rule.pairs(flag, parse_value(value)))
         elif "=" in item:
             key, value = item.split("=", 1)
             if not key.strip():
                 raise ConfigError(f"override {item!r} has no key; write KEY=VALUE, e.g. optim.lr=0.01")
             if not value.strip():
                 raise ConfigError(f"override {item!r} has no value; write {key}=VALUE")
-            pairs.append((aliases.get(key, key), parse_value(value)))
+            alias = aliases.get(key, key)
+            pairs.append((alias if isinstance(alias, str) else alias.key or key, parse_value(value)))
         else:
             raise ConfigError(f"override {item!r} is not key=value (e.g. optim.lr=0.01)")
     return pairs
+
+
+def unknown_flag_message(flag: str, aliases: Mapping[str, Alias]) -> str:
+    close = difflib.get_close_matches(flag, [a for a in aliases if a.startswith("--")], n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    if "_" in flag and not close:
+        hint = "; it is not among the TrainingArguments flags raytpu supports (see the README)"
+    return f"unknown flag {flag}{hint}"
+
+
+def mapping_as_flags(section: str, mapping: Any) -> list[str]:
+    """A YAML section of flags (``training_arguments: {learning_rate: 3e-4, bf16: true}``) as the
+    command-line words that say the same (``--learning_rate=0.0003 --bf16=true``)."""
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"{section} must be a mapping of flag names to values, got {mapping!r}")
+    words = []
+    for name, value in mapping.items():
+        text = json.dumps(value) if isinstance(value, (dict, list, bool)) or value is None else str(value)
+        words.append(f"--{name}={text}")
+    return words
 
 
 def parse_options(items: list[str], fn: Callable[..., Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``raytpu`` command line: train, test, tune, submit, data, doctor.
+"""``raytpu`` command line: train, test, tune, launch, submit, export, data, doctor.
 
 Errors a user can fix are printed as one ``raytpu: error: ...`` line with a
 non-zero exit, never as a traceback.
@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--local", action="store_true", help="run in local processes without Ray (see README)")
         cmd.add_argument("--verbose", action="store_true", help="show Ray's own log lines too")
         cmd.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides and seed-script flags")
+
+    export = sub.add_parser("export", help="write a checkpoint in its ecosystem's format (Transformers)")
+    export.add_argument("config", help="YAML config of the run, e.g. jobs/causal_lm/small.yaml")
+    export.add_argument("--checkpoint", help="checkpoint dir or weights file (required)")
+    export.add_argument("--out", help="output folder (required)")
+    export.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides, as for train")
 
     data = sub.add_parser("data", help="make, inspect and convert data sets").add_subparsers(
         dest="data_command", required=True
@@ -79,6 +85,8 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # the driver never touches a device: Transformers (a job's config check) must not load torch_xla
+    os.environ.setdefault("USE_TORCH_XLA", "0")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # jobs outside the package load by dotted path, as with `python -m`
     try:
@@ -106,6 +114,8 @@ def dispatch(args: argparse.Namespace) -> int:
         return run(args)
     if args.command == "data":
         return data_command(args)
+    if args.command == "export":
+        return export_command(args)
     if args.command == "launch":
         from raytpu import launch
 
@@ -152,6 +162,17 @@ def run(args: argparse.Namespace) -> int:
     if local and args.address:
         raise ConfigError("--local runs without Ray: drop --address (or drop --local to use the cluster)")
     launcher.train(cfg, job, args.address, local=local)
+    return 0
+
+
+def export_command(args: argparse.Namespace) -> int:
+    from raytpu.export import export
+
+    overrides, found = extract(list(args.overrides), valued=["--checkpoint", "--out"])
+    cfg, job = load_config(args.config, overrides)
+    checkpoint = found.get("--checkpoint", [args.checkpoint])[0]
+    out = export(cfg, job, checkpoint or "", found.get("--out", [args.out])[0] or "")
+    print(f"exported {job.name} weights from {checkpoint} to {out}", flush=True)
     return 0
 
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import yaml
 
-from raytpu.args import ConfigError, parse_overrides
+from raytpu.args import ConfigError, mapping_as_flags, parse_overrides
 from raytpu.job import Job, JobConfig, load_job
+from raytpu.training_args import TRAINING_ARGUMENTS
 from raytpu.validation import validate
 
 
@@ -70,6 +71,9 @@ class DataConfig:
     synthesize_if_missing: bool = False
     global_batch_size: int = 8
     eval_batch_size: int = 0  # 0 = global_batch_size
+    # TrainingArguments' per-device batches (0 = unused): x data-parallel replicas (x grad_accum) = the global batch
+    per_device_train_batch_size: int = 0
+    per_device_eval_batch_size: int = 0
     num_workers: int = 0  # DataLoader processes per Ray worker
     loader: str = "torch"  # torch | ray
     shuffle: bool = True
@@ -80,13 +84,15 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adagrad | adam | adamw | sgd
+    name: str = "adamw"  # adafactor | adagrad | adam | adamw | sgd
     lr: float = 1e-3
     weight_decay: float = 0.0
     momentum: float = 0.9
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8  # adam / adamw
     scheduler: str = "constant"  # constant | cosine | linear | poly
     warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # used when warmup_steps is 0: ceil(ratio x total steps) warm-up steps
     min_lr_ratio: float = 0.0
 
 
@@ -103,6 +109,7 @@ class LoopConfig:
     ema_power: float = 2 / 3
     log_every: int = 10
     eval_every_epochs: int = 1
+    eval_every_steps: int = 0  # evaluate every that many steps instead (TrainingArguments' eval_steps)
     sync_batchnorm: str = "auto"  # auto | true | false: BatchNorm statistics over the global batch (see README)
     stop_on_nonfinite: bool = True
     grad_norm_warn_high: float = 1e3
@@ -167,6 +174,7 @@ COMMON_ALIASES: dict[str, str] = {
     "--name": "run.name",
     "--seed": "run.seed",
     "--data-path": "data.path",
+    **TRAINING_ARGUMENTS,
 }
 
 
@@ -185,7 +193,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if isinstance(job_section, str):
         job_section = {"name": job_section}
         raw["job"] = job_section
-    pairs = parse_overrides(overrides or [], job_aliases_for(raw, overrides or []))
+    flags = mapping_as_flags("training_arguments", raw.pop("training_arguments")) if "training_arguments" in raw else []
+    pairs = parse_overrides(flags + list(overrides or []), job_aliases_for(raw, overrides or []))
     job_name = dict(pairs).get("job.name", job_section.get("name"))
     if not job_name:
         raise ConfigError("no job given: set `job: {name: <job>}` in the config or pass job.name=<job>")
@@ -300,6 +309,9 @@ def all_keys(obj: Any, prefix: str = "") -> list[str]:
 def set_dotted(cfg: Config, key: str, value: Any) -> None:
     """Set ``a.b.c`` on the nested dataclasses, with the same checks as the file."""
     parts = key.split(".")
+    if parts[-1].isdigit():
+        set_list_item(cfg, ".".join(parts[:-1]), int(parts[-1]), value)
+        return
     target: Any = cfg
     for depth, part in enumerate(parts):
         if not dataclasses.is_dataclass(target) or part not in {f.name for f in dataclasses.fields(target)}:
@@ -314,6 +326,19 @@ def set_dotted(cfg: Config, key: str, value: Any) -> None:
             raise ConfigError("job.name cannot change the job of a config file; use another config")
         return
     setattr(target, name, coerce(value, field_type, key))
+
+
+def set_list_item(cfg: Config, key: str, index: int, value: Any) -> None:
+    """``optim.betas.0=0.95``: one item of a list setting."""
+    *path, name = key.split(".")
+    target: Any = cfg
+    for part in path:
+        target = getattr(target, part, None)
+    items = getattr(target, name, None) if dataclasses.is_dataclass(target) else None
+    if not isinstance(items, list) or not 0 <= index < len(items):
+        raise ConfigError(unknown_key_message(f"{key}.{index}", all_keys(cfg)))
+    item_type = typing.get_args(typing.get_type_hints(type(target))[name])[0]
+    items[index] = coerce(value, item_type, f"{key}.{index}")
 
 
 # --------------------------------------------------------------------- dump

@@ -24,6 +24,7 @@ from raytpu.errors import RunFailed, RunStopped
 from raytpu.job import Job
 from raytpu.runtime import pick_runtime
 from raytpu.tpu import check_num_workers, slice_spec, workers_for_layout
+from raytpu.validation import apply_per_device_batch
 from raytpu.worker import WorkerPayload
 
 os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
@@ -92,6 +93,7 @@ def check_cluster_fits(cfg: Config) -> None:
     """After connecting: the runtime resolved, a CPU left to Ray Data, and the workers checked against
     the cluster (a demand it can never meet is a one-line error, not a wait)."""
     cfg.scaling.runtime = cluster_runtime(cfg.scaling.runtime)
+    apply_per_device_batch(cfg)
     leave_cpu_for_ray_data(cfg)
     what = f"{cfg.scaling.num_workers} {cfg.scaling.runtime} worker(s)"
     preflight.check_fit(worker_bundles(cfg), what)
@@ -214,6 +216,8 @@ def check_before_start(cfg: Config, job: Job, mode: str, address: str | None) ->
     data_root = check_files(cfg, job, mode)
     connect(address, quiet=mode == "test", verbose=cfg.logging.verbose)
     check_cluster_fits(cfg)
+    if cfg.data.per_device_train_batch_size:  # the global batch is known only now
+        preflight.check_data(cfg, job, data_root, mode)
     address = address or os.environ.get("RAY_ADDRESS")
     print(where_it_runs(cfg, f"the Ray cluster at {address}" if address else "the local Ray instance"), flush=True)
     return data_root
@@ -317,8 +321,9 @@ def train_local(cfg: Config, job: Job) -> dict[str, Any]:
     from raytpu import local
 
     local.check_local(cfg)
-    data_root = check_files(cfg, job, "train")
     cfg.scaling.runtime = local_runtime(cfg.scaling.runtime)
+    apply_per_device_batch(cfg)
+    data_root = check_files(cfg, job, "train")
     absolute_paths(cfg)
     return local.train(cfg, job, data_root, run_dir(cfg))
 

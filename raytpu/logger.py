@@ -46,6 +46,12 @@ class RunLogger:
         for key, value in images.items():
             self.writer.add_images(key, value.detach().float().clamp(0, 1).cpu(), step)
 
+    def texts(self, texts: dict[str, str], step: int) -> None:
+        if self.writer is None:
+            return
+        for key, value in texts.items():
+            self.writer.add_text(key, value, step)
+
     def progress(self, step: int, postfix: dict[str, Any]) -> None:
         if self.bar is not None:
             self.bar.n = step

@@ -82,7 +82,9 @@ class Trainer:
         self.sample = self.data.sample()
         self.steps_per_epoch = self.data.batches_per_epoch() // cfg.loop.grad_accum
         self.total_steps = cfg.loop.max_steps or cfg.loop.epochs * self.steps_per_epoch
-        self.cadence = Cadence(self.total_steps, cfg.checkpoint.every_steps, cfg.loop.eval_every_epochs)
+        self.cadence = Cadence(
+            self.total_steps, cfg.checkpoint.every_steps, cfg.loop.eval_every_epochs, cfg.loop.eval_every_steps
+        )
         model = self.job.build_model(cfg)
         if cfg.checkpoint.weights:
             model.load_state_dict(ckpt.load_model_weights(cfg.checkpoint.weights), strict=True)
@@ -287,8 +289,10 @@ class Trainer:
         metrics = self.job.finish_eval(rt.all_reduce_sum(totals))
         metrics = {f"{split}/{k}": float(v) for k, v in metrics.items()}
         if self.logger is not None:
+            texts = self.job.eval_text(model, ctx, self.data_root) if rt.is_main and split == "valid" else {}
             self.logger.scalars(metrics, self.progress.step)
             self.logger.images({f"{split}/{k}": v for k, v in images.items()}, self.progress.step)
+            self.logger.texts({f"{split}/{k}": v for k, v in texts.items()}, self.progress.step)
             self.logger.flush()
             self._message(f"step {self.progress.step} epoch {self.progress.epoch}: " + json.dumps(metrics))
         self.model.train()

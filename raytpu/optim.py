@@ -11,29 +11,37 @@ import torch
 from torch import nn
 
 from raytpu.config import LoopConfig, OptimConfig
+from raytpu.training_args import warmup_steps
 
 
 def build_optimizer(cfg: OptimConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     params = list(params)
+    if cfg.name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # what TrainingArguments(optim="adafactor") builds: the given lr, no relative step or scaling
+        return Adafactor(params, lr=cfg.lr, scale_parameter=False, relative_step=False, weight_decay=cfg.weight_decay)
     if cfg.name == "adagrad":
         return torch.optim.Adagrad(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
 def lr_factor(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
     """Multiplier of the base lr at a step: linear warm-up, then the schedule's shape."""
 
+    warmup = warmup_steps(cfg.warmup_steps, cfg.warmup_ratio, total_steps)
+
     def factor(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
+        if warmup and step < warmup:
+            return (step + 1) / warmup
         if cfg.scheduler == "constant":
             return 1.0
-        span = max(total_steps - cfg.warmup_steps, 1)
-        progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+        span = max(total_steps - warmup, 1)
+        progress = min(max(step - warmup, 0) / span, 1.0)
         shape = {
             "cosine": 0.5 * (1 + math.cos(math.pi * progress)),
             "linear": 1 - progress,

@@ -26,26 +26,29 @@ REASONS = ("scheduled", "stop", "preempted")
 class Cadence:
     """When to evaluate and when to checkpoint: the one place that decides.
 
-    With ``checkpoint.every_steps`` a checkpoint (with an eval, so that it has a score) is taken
-    every that many steps; else one at every epoch end, evaluated every ``loop.eval_every_epochs``
-    epochs (a checkpoint without an eval carries no score and is never the best). The last step
-    always evaluates and checkpoints.
+    Checkpoints: every ``checkpoint.every_steps`` steps, else at every epoch end. Evaluations:
+    every ``loop.eval_every_steps`` steps when set (TrainingArguments' ``eval_steps``), else with
+    each ``every_steps`` checkpoint, else every ``loop.eval_every_epochs`` epoch ends. A checkpoint
+    taken without an evaluation carries no score and is never the best, so with both step counts
+    set, ``every_steps`` should be a multiple of ``eval_every_steps`` (Transformers asks the same of
+    ``save_steps`` for ``load_best_model_at_end``). The last step always evaluates and checkpoints.
     """
 
     total_steps: int
     every_steps: int
     eval_every_epochs: int
+    eval_every_steps: int = 0
 
     def decide(self, step: int, epoch_ended: bool, epochs_done: int) -> tuple[bool, bool]:
         """``(evaluate, checkpoint)`` after ``step``."""
         if step >= self.total_steps:
             return True, True
+        checkpoint = step % self.every_steps == 0 if self.every_steps else epoch_ended
+        if self.eval_every_steps:
+            return step % self.eval_every_steps == 0, checkpoint
         if self.every_steps:
-            due = step % self.every_steps == 0
-            return due, due
-        if epoch_ended:
-            return epochs_done % self.eval_every_epochs == 0, True
-        return False, False
+            return checkpoint, checkpoint
+        return checkpoint and epochs_done % self.eval_every_epochs == 0, checkpoint
 
 
 class Scoreboard:

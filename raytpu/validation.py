@@ -17,7 +17,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scaling.precision": ("auto", "fp32", "bf16", "fp16"),
     "scaling.tpu.layout": ("spmd", "multiprocess"),
     "data.loader": ("torch", "ray"),
-    "optim.name": ("adagrad", "adam", "adamw", "sgd"),
+    "optim.name": ("adafactor", "adagrad", "adam", "adamw", "sgd"),
     "optim.scheduler": ("constant", "cosine", "linear", "poly"),
     "loop.sync_batchnorm": ("auto", "true", "false"),
     "tune.scheduler": ("asha", "fifo"),
@@ -32,6 +32,8 @@ LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "scaling.cpus_per_worker": (0, True),
     "data.global_batch_size": (1, True),
     "data.eval_batch_size": (0, True),
+    "data.per_device_train_batch_size": (0, True),
+    "data.per_device_eval_batch_size": (0, True),
     "data.num_workers": (0, True),
     "data.prefetch_batches": (0, True),
     "data.shuffle_buffer": (0, True),
@@ -40,6 +42,8 @@ LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "optim.weight_decay": (0, True),
     "optim.momentum": (0, True),
     "optim.warmup_steps": (0, True),
+    "optim.warmup_ratio": (0, True),
+    "optim.eps": (0, False),
     "optim.min_lr_ratio": (0, True),
     "loop.epochs": (1, True),
     "loop.max_steps": (0, True),
@@ -51,6 +55,7 @@ LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "loop.ema_power": (0, False),
     "loop.log_every": (1, True),
     "loop.eval_every_epochs": (1, True),
+    "loop.eval_every_steps": (0, True),
     "loop.grad_norm_warn_high": (0, False),
     "loop.grad_norm_warn_low": (0, True),
     "loop.fail_at_step": (0, True),
@@ -70,6 +75,7 @@ LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
 UPPER_BOUNDS: dict[str, tuple[float, bool]] = {
     "optim.momentum": (1, False),
     "optim.min_lr_ratio": (1, True),
+    "optim.warmup_ratio": (1, True),
     "loop.ema_beta": (1, False),
 }
 
@@ -95,7 +101,8 @@ def validate(cfg: Config, job: Job | None = None) -> None:
         check_number(f"scaling.resources_per_worker.{name}", amount, (0, True))
     if cfg.xla.mesh.data == 0 or cfg.xla.mesh.fsdp == 0 or min(cfg.xla.mesh.data, cfg.xla.mesh.fsdp) < -1:
         raise ConfigError("xla.mesh.data and xla.mesh.fsdp must be at least 1, or -1 for the rest of the devices")
-    per_worker_batch(cfg.data.global_batch_size, cfg.scaling.num_workers, cfg.loop.grad_accum)
+    if not cfg.data.per_device_train_batch_size:  # else checked once the runtime is known
+        per_worker_batch(cfg.data.global_batch_size, cfg.scaling.num_workers, cfg.loop.grad_accum)
     if job is not None:
         job.check_config(cfg)
 
@@ -124,3 +131,33 @@ def per_worker_batch(
             f"accumulation steps; use a multiple of {share}"
         )
     return global_batch // share
+
+
+def data_parallel_replicas(cfg: Config) -> int:
+    """What TrainingArguments' "per device" counts: a worker on cpu and cuda (and with one chip per
+    process on XLA), a chip under SPMD, where each worker drives its host's chips."""
+    scaling = cfg.scaling
+    if scaling.runtime != "xla" or scaling.tpu.layout == "multiprocess":
+        return scaling.num_workers
+    if not scaling.tpu.accelerator_type:
+        raise ConfigError(
+            "per-device batch sizes on xla need the slice's chip count: set scaling.tpu.accelerator_type "
+            "(and topology), or give data.global_batch_size instead"
+        )
+    from raytpu.tpu import slice_spec
+
+    return slice_spec(scaling.tpu.accelerator_type, scaling.tpu.topology).num_chips
+
+
+def apply_per_device_batch(cfg: Config) -> None:
+    """Turn ``--per_device_train_batch_size`` / ``--per_device_eval_batch_size`` into the global batches
+    (x replicas, and x accumulation steps for training); called on the driver once the runtime is known."""
+    data = cfg.data
+    if not (data.per_device_train_batch_size or data.per_device_eval_batch_size):
+        return
+    replicas = data_parallel_replicas(cfg)
+    if data.per_device_train_batch_size:
+        data.global_batch_size = data.per_device_train_batch_size * replicas * cfg.loop.grad_accum
+    if data.per_device_eval_batch_size:
+        data.eval_batch_size = data.per_device_eval_batch_size * replicas
+    per_worker_batch(data.global_batch_size, cfg.scaling.num_workers, cfg.loop.grad_accum)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ class DDPRuntime(Runtime):
     def __init__(self, name: str, precision: str, world_size: int, rank: int, local_rank: int) -> None:
         super().__init__(precision, world_size, rank, local_rank)
         self.name = name
+        os.environ["USE_TORCH_XLA"] = "0"  # Transformers would otherwise import torch_xla when it is installed
         if name == "cuda":
             self.device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
             torch.cuda.set_device(self.device)

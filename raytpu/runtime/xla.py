@@ -41,6 +41,7 @@ class XLARuntime(Runtime):
         super().__init__(precision, world_size, rank, local_rank)
         if not tpu_present():
             os.environ.setdefault("PJRT_DEVICE", "CPU")
+        os.environ["USE_TORCH_XLA"] = "1"  # Transformers' XLA code paths (the driver turns them off for itself)
         import torch_xla
         import torch_xla.runtime as xr
 

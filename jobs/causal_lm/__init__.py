@@ -1,0 +1,254 @@
+"""Causal language modelling with Hugging Face Transformers as a raytpu job.
+
+Any Transformers causal-LM architecture (``job.model_type`` with ``job.model_config`` in
+Transformers' own names, or a ``save_pretrained`` folder in ``job.model_name_or_path``), trained
+on packed blocks of a tokenized corpus made on the machine (``jobs.causal_lm.corpus``). The loss
+is the model's own (``model(input_ids, labels=input_ids).loss``); validation reports the
+held-out perplexity; ``raytpu export`` writes a folder ``from_pretrained`` loads.
+
+Transformers is imported only inside the methods: importing it loads torch_xla when present,
+which the runtime allows or not (``USE_TORCH_XLA``) before the model is built.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from jobs.causal_lm import corpus
+from raytpu.config import Config
+from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
+
+
+@dataclass
+class CausalLMConfig(JobConfig):
+    name: str = "causal_lm"
+    model_type: str = "llama"  # any causal-LM model_type of Transformers (llama, gpt2, qwen2, mistral, ...)
+    model_config: dict[str, Any] = field(default_factory=dict)  # its config's fields, in Transformers' names
+    model_name_or_path: str = ""  # a save_pretrained folder (config and weights) instead: fine-tuning
+    attn_implementation: str = "causal"  # causal (SDPA, no mask: see causal_attention) | sdpa | eager
+    gradient_checkpointing: bool = False
+    seq_len: int = 128  # tokens per packed block
+    vocab_size: int = 4096  # entries of the tokenizer trained by `raytpu data synth causal_lm`
+    corpus: str = ""  # "" = the pinned standard-library files; else a folder of .py/.txt/.md files
+    tokenizer: str = ""  # "" = train a byte-level BPE tokenizer; else a save_pretrained folder to reuse
+    prompt: str = "def "  # generated from at each evaluation (TensorBoard text)
+    sample_tokens: int = 48  # tokens generated per evaluation (0 = none)
+
+
+def architecture(job: CausalLMConfig) -> Any:  # -> transformers.PretrainedConfig
+    """The model's Transformers config: from ``model_name_or_path``, or ``model_type`` and ``model_config``."""
+    from transformers import AutoConfig
+
+    if job.model_name_or_path:
+        return AutoConfig.from_pretrained(job.model_name_or_path)
+    return AutoConfig.for_model(job.model_type, **{"vocab_size": job.vocab_size, **job.model_config})
+
+
+def check_architecture(job: CausalLMConfig) -> None:
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if job.model_name_or_path:
+        if not (Path(job.model_name_or_path) / "config.json").is_file():
+            raise ValueError(
+                f"job.model_name_or_path={job.model_name_or_path!r} is not a save_pretrained folder (no config.json); "
+                "raytpu never downloads models: pass a local folder"
+            )
+        return
+    if job.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        close = difflib.get_close_matches(job.model_type, list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"job.model_type={job.model_type!r} is not a Transformers causal-LM architecture{hint}")
+    config_class = CONFIG_MAPPING[job.model_type]
+    fields = set(inspect.signature(config_class.__init__).parameters) | set(vars(config_class()))
+    for key in job.model_config:
+        if key not in fields:
+            close = difflib.get_close_matches(key, [k for k in fields if not k.startswith("_")], n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"job.model_config.{key} is not a field of Transformers' {job.model_type} config{hint}")
+
+
+def context_length(config: Any) -> int | None:
+    """The longest sequence the architecture's positions allow (None: no limit declared)."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    return None
+
+
+class CausalLMJob(Job):
+    name = "causal_lm"
+    config_class = CausalLMConfig
+    main_metric = "perplexity"
+    main_metric_mode = "min"
+    aliases = {
+        "--model_name_or_path": "job.model_name_or_path",
+        "--block_size": "job.seq_len",  # Transformers' run_clm.py
+        "--model_type": "job.model_type",
+    }
+    stats_files = (*corpus.TOKENIZER_FILES, corpus.CORPUS_FILE)
+    rows_per_file = 4096
+
+    # ----------------------------------------------------------------- build
+    def check_config(self, cfg: Config) -> None:
+        job = cfg.job
+        if job.seq_len < 2:
+            raise ValueError(f"job.seq_len must be at least 2 (a token and its successor), got {job.seq_len}")
+        if job.attn_implementation not in ATTENTION:
+            choices = ", ".join(ATTENTION)
+            raise ValueError(f"job.attn_implementation={job.attn_implementation!r} is not one of {choices}")
+        check_architecture(job)
+        limit = context_length(architecture(job))
+        if limit is not None and job.seq_len > limit:
+            raise ValueError(f"job.seq_len={job.seq_len} exceeds the model's {limit} positions; lower job.seq_len")
+
+    def build_model(self, cfg: Config) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        job = cfg.job
+        attention = attention_implementation(job.attn_implementation)
+        if job.model_name_or_path:
+            model = AutoModelForCausalLM.from_pretrained(
+                job.model_name_or_path, attn_implementation=attention, dtype=torch.float32
+            )
+        else:
+            model = AutoModelForCausalLM.from_config(architecture(job), attn_implementation=attention)
+        if job.gradient_checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        return model
+
+    def build_dataset(self, cfg: Config, split: str, data_root: Path) -> Dataset:
+        tokens = corpus.read_tokens(data_root, split)
+        vocabulary = corpus.vocabulary_size(data_root)
+        embeddings = cfg.job.vocab_size if not cfg.job.model_name_or_path else vocabulary
+        if vocabulary > embeddings:
+            raise ValueError(
+                f"the tokenizer in {data_root} has {vocabulary} entries but the model embeds {embeddings}; "
+                f"set job.vocab_size={vocabulary} or make the data again"
+            )
+        return corpus.PackedBlocks(tokens, cfg.job.seq_len)
+
+    def synthesize(self, out: Path, vocab_size: int = 4096, corpus_dir: str = "", tokenizer: str = "") -> None:
+        """``raytpu data synth causal_lm --out DIR [--vocab-size N] [--corpus-dir DIR] [--tokenizer DIR]``."""
+        corpus.synthesize(out, vocab_size=vocab_size, corpus=corpus_dir, tokenizer=tokenizer)
+
+    def synth_options(self, cfg: Config) -> dict[str, Any]:
+        job = cfg.job
+        return {"vocab_size": job.vocab_size, "corpus_dir": job.corpus, "tokenizer": job.tokenizer}
+
+    # ---------------------------------------------------- tables (data.loader=ray)
+    def table_names(self, src: Path) -> list[str]:
+        """One table per split: the token stream in rows of ``rows_per_file``-free chunks of ids."""
+        return [split for split in corpus.SPLITS if (Path(src) / f"{split}.npy").is_file()]
+
+    def table_records(self, src: Path, table: str, rows: int) -> Iterator[Columns]:
+        """The split's token stream as rows of :data:`TABLE_ROW` tokens (the blocks any ``seq_len``
+        dividing it is cut from); ``id`` numbers the rows."""
+        tokens = corpus.read_tokens(src, table)
+        count = len(tokens) // TABLE_ROW
+        for start in range(0, count, rows):
+            stop = min(start + rows, count)
+            chunk = np.asarray(tokens[start * TABLE_ROW : stop * TABLE_ROW], dtype=np.int32)
+            yield {"id": np.arange(start, stop, dtype=np.int64), "input_ids": chunk.reshape(-1, TABLE_ROW)}
+
+    def batch_decoder(self, cfg: Config, split: str, stats_root: Path) -> BatchDecoder:
+        if cfg.job.seq_len != TABLE_ROW:
+            raise ValueError(
+                f"prepared tables hold blocks of {TABLE_ROW} tokens but job.seq_len is {cfg.job.seq_len}; "
+                f"set job.seq_len={TABLE_ROW} for data.loader=ray (or use data.loader=torch)"
+            )
+
+        def decode(columns: Columns, epoch: int) -> Batch:
+            return {"input_ids": torch.from_numpy(np.asarray(columns["input_ids"], dtype=np.int64))}
+
+        return decode
+
+    # ------------------------------------------------------------------ step
+    def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
+        ids = batch["input_ids"]
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        return loss, {"loss": loss}
+
+    def eval_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> Batch:
+        """The model's mean loss times the tokens it predicts (all blocks have as many), summed."""
+        ids = batch["input_ids"]
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss.float()
+        predicted = torch.full_like(loss, ids.shape[0] * (ids.shape[1] - 1))
+        return {"nll_sum": loss * predicted, "tokens": predicted}
+
+    def finish_eval(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
+        loss = float(totals["nll_sum"] / totals["tokens"].clamp_min(1))
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+    def eval_text(self, model: nn.Module, ctx: StepContext, data_root: Path) -> dict[str, str]:
+        """Greedy continuation of ``job.prompt`` (TensorBoard text at each evaluation)."""
+        job = ctx.config.job
+        if not job.sample_tokens:
+            return {}
+        tokenizer = corpus.load_tokenizer(data_root)
+        return {"sample": generate(model, tokenizer, job.prompt, job.sample_tokens)}
+
+    # ---------------------------------------------------------------- export
+    def export(self, model: nn.Module, cfg: Config, data_root: Path, out: Path) -> None:
+        """A folder ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load."""
+        tokenizer = corpus.load_tokenizer(data_root)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.set_attn_implementation("sdpa")  # what any Transformers install has (same results, unpadded)
+        model.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
+
+
+#: job.attn_implementation -> Transformers' name
+ATTENTION = {"causal": "raytpu_causal", "sdpa": "sdpa", "eager": "eager"}
+
+
+def attention_implementation(name: str) -> str:
+    """Transformers' attention for ``job.attn_implementation``. ``causal`` is its SDPA kernel
+    registered under a name of its own with no mask function: the mask is never built, and SDPA
+    runs with ``is_causal`` (exact for unpadded packed blocks). Transformers' own ``sdpa`` first
+    checks ``position_ids`` for packed sequences with a data-dependent branch: a host sync in
+    every step on XLA."""
+    from transformers import AttentionInterface
+
+    if name == "causal":
+        AttentionInterface.register(ATTENTION[name], causal_attention)
+    return ATTENTION[name]
+
+
+def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs):
+    """Transformers' SDPA attention with its operands in one dtype: under autocast the rotary
+    embedding leaves the query and key in float32 while the value projection is in the autocast
+    dtype, and autocasts that do not list SDPA (XLA's) pass the mix on, which SDPA rejects."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query.to(value.dtype), key.to(value.dtype), value, *args, **kwargs)
+
+
+#: tokens per row of a prepared table (data.loader=ray): the small config's seq_len
+TABLE_ROW = 128
+
+
+@torch.no_grad()
+def generate(model: nn.Module, tokenizer: Any, prompt: str, tokens: int) -> str:
+    device = next(model.parameters()).device
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
+    mask = torch.ones_like(ids)
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
+    return tokenizer.decode(out[0].cpu().tolist())
+
+
+JOB = CausalLMJob()
