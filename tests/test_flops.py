@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jobs.cdeit import JOB as CDEIT
+from jobs.cdeit import model_config
+from jobs.cdeit.model import SMALL, DiT, DiTConfig, training_flops
 from raytpu.checkpoint import LocalReporter
 from raytpu.config import load_config
 from raytpu.flops import count_training_flops, matmul_parameters, mfu, perf_scalars, transformer_flops_per_token
@@ -97,6 +100,30 @@ def test_without_flops_or_a_peak_there_is_no_mfu_and_without_tokens_no_tokens_pe
     assert set(perf_scalars(8, 0.25, 1e9, None, None)) == {"perf/step_time_s", "perf/samples_per_s"}
     assert "perf/mfu" not in perf_scalars(8, 0.25, None, 4, 1e12)
     assert perf_scalars(8, 0.25, 1e9, None, 1e12)["perf/mfu"] == pytest.approx(8 / 0.25 * 1e9 / 1e12)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [SMALL, DiTConfig(image_size=64, hidden_size=32, num_heads=4, window_size=8, scales=2, stage_depth=1)],
+    ids=["small", "wider-window"],
+)
+def test_cdeit_declared_flops_match_the_flop_counter(cfg):
+    model = DiT(cfg)
+    x, y = torch.randn(1, 1, cfg.image_size, cfg.image_size), torch.randn(1, 1, 16, 16)
+    t = torch.tensor([500])
+    assert count_training_flops(lambda: model(x, t, y)) * 3 == training_flops(cfg)  # the forward: exact
+    counted = count_training_flops(lambda: model(x, t, y).sum().backward())
+    # the real backward skips the input gradients of the patch and timestep embeddings: within 0.1%
+    assert counted == pytest.approx(training_flops(cfg), rel=1e-3)
+    assert counted <= training_flops(cfg)
+
+
+def test_the_cdeit_job_declares_its_flops_and_no_tokens():
+    cfg, job = load_config(None, ["job.name=cdeit", "job.image_size=32", "job.hidden_size=64"])
+    assert job is CDEIT
+    assert CDEIT.flops_per_sample(cfg, CDEIT.build_model(cfg)) == training_flops(model_config(cfg.job))
+    assert training_flops(model_config(cfg.job)) == training_flops(SMALL) == 717_498_624
+    assert CDEIT.tokens_per_sample(cfg) is None
 
 
 @pytest.mark.parametrize(
