@@ -151,6 +151,19 @@ class Job:
         no for it: those evaluations are logged, never the best)."""
         return True
 
+    # ------------------------------------------------------------ throughput
+    def flops_per_sample(self, cfg: Config, model: nn.Module) -> float | None:
+        """Training FLOPs of one sample at ``cfg``'s shapes: the model's matmuls in a forward and a
+        backward pass, i.e. 3x the forward's (what :mod:`raytpu.flops` counts, for model FLOPs
+        utilisation). ``model``: the model just built, on the CPU, to count parameters of. The
+        default, ``None``, declares nothing: no ``perf/mfu``."""
+        return None
+
+    def tokens_per_sample(self, cfg: Config) -> int | None:
+        """Tokens in one sample (a causal LM: its sequence length), for ``perf/tokens_per_s``.
+        The default, ``None``: the job's throughput is in samples/s only."""
+        return None
+
     def eval_images(self, model: nn.Module, batch: Batch, ctx: StepContext) -> dict[str, torch.Tensor]:
         """Optional images for TensorBoard at eval: name -> (N, C, H, W) in [0, 1]."""
         return {}

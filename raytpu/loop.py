@@ -26,6 +26,7 @@ from raytpu.callbacks import Callback
 from raytpu.checkpoint import Checkpointer, Progress, Reporter, TrainState
 from raytpu.config import Config, to_dict
 from raytpu.data import WorkerData, make_worker_data
+from raytpu.flops import perf_scalars
 from raytpu.job import Batch, Job, StepContext
 from raytpu.logger import RunLogger, watch_grad_norm
 from raytpu.optim import EMA, EMASchedule, build_optimizer, build_scheduler
@@ -67,6 +68,10 @@ class Trainer:
         self._last_log = (time.perf_counter(), 0)
         self._restored_metrics: dict[str, float] = {}
         self._preemption_saved = False
+        # throughput accounting (raytpu.flops), set by _build: what the job declares, the run's peak
+        self.flops_per_sample: float | None = None
+        self.tokens_per_sample: int | None = None
+        self.peak_flops: float | None = None
 
     # ------------------------------------------------------------ build
     def _seed(self) -> None:
@@ -86,6 +91,7 @@ class Trainer:
             self.total_steps, cfg.checkpoint.every_steps, cfg.loop.eval_every_epochs, cfg.loop.eval_every_steps
         )
         model = self.job.build_model(cfg)
+        self._count_throughput(model)
         if cfg.checkpoint.weights:
             model.load_state_dict(ckpt.load_model_weights(cfg.checkpoint.weights), strict=True)
         unused = self.job.unused_parameters(cfg, 0)
@@ -97,6 +103,17 @@ class Trainer:
         self.ema_schedule = EMASchedule.from_loop(cfg.loop)
         self.nonfinite = torch.zeros((), device=rt.device)
         self.scoreboard.reset_loss()
+
+    def _count_throughput(self, model: torch.nn.Module) -> None:
+        """The job's FLOPs and tokens per sample, and the peak FLOP/s of the whole run (every
+        worker drives the same devices), for ``perf/tokens_per_s`` and ``perf/mfu``."""
+        rt = self.runtime
+        self.flops_per_sample = self.job.flops_per_sample(self.cfg, model)
+        self.tokens_per_sample = self.job.tokens_per_sample(self.cfg)
+        worker_peak = rt.peak_flops()
+        self.peak_flops = worker_peak * rt.world_size if worker_peak else None
+        if self.flops_per_sample and not self.peak_flops and rt.device_kind() != "cpu":
+            self._message(f"note: no documented bf16 peak for {rt.device_kind()!r}, so no perf/mfu")
 
     @property
     def state(self) -> TrainState:
@@ -246,17 +263,17 @@ class Trainer:
         step_time = (now - then) / max(step - then_step, 1)
         self._last_log = (now, step)
         scalars = {f"train/{k}": v for k, v in values.items()}
-        scalars.update(
-            {
-                "train/lr": lr,
-                "perf/step_time_s": step_time,
-                "perf/samples_per_s": cfg.data.global_batch_size / step_time,
-                "train/epoch": float(self.progress.epoch),
-            }
+        scalars.update({"train/lr": lr, "train/epoch": float(self.progress.epoch)})
+        perf = perf_scalars(
+            cfg.data.global_batch_size, step_time, self.flops_per_sample, self.tokens_per_sample, self.peak_flops
         )
+        scalars.update(perf)
         scalars.update(self.runtime.metrics())
         self.logger.scalars(scalars, step)
-        self.logger.progress(step, {"loss": values["loss"], "lr": lr, "gnorm": values["grad_norm"]})
+        postfix = {"loss": values["loss"], "lr": lr, "gnorm": values["grad_norm"]}
+        if "perf/mfu" in perf:
+            postfix["mfu"] = f"{perf['perf/mfu']:.1%}"
+        self.logger.progress(step, postfix)
         for callback in self.callbacks:
             callback.on_log(self, step, values)
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from jobs.cdeit import synth
 from jobs.cdeit.data import EVAL_SETS, EITDataset, eval_dataset, find_stats, normalise_voltages, resolve_data_root
 from jobs.cdeit.diffusion import Diffusion, pixel_errors
-from jobs.cdeit.model import DiT, DiTConfig
+from jobs.cdeit.model import DiT, DiTConfig, training_flops
 from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
 
 DIFFUSION = Diffusion()
@@ -210,6 +210,13 @@ class CDEITJob(Job):
             }
 
         return decode
+
+    # ------------------------------------------------------------ throughput
+    def flops_per_sample(self, cfg: Any, model: nn.Module) -> float:
+        """One denoiser forward and backward per training sample, counted by formula
+        (:func:`jobs.cdeit.model.training_flops`; the paper's model: 860 GFLOP, small.yaml 0.72). No tokens: an
+        image is no sequence, so CDEIT's throughput is in samples/s."""
+        return float(training_flops(model_config(cfg.job)))
 
     # ------------------------------------------------------------------ step
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:

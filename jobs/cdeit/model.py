@@ -364,3 +364,36 @@ class DiT(nn.Module):
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def training_flops(cfg: DiTConfig) -> int:
+    """Training FLOPs of one sample, counted by hand: 3x the forward's matmul and convolution
+    FLOPs (2 per multiply-add), the convention of ``raytpu.flops``; elementwise work is left out.
+
+    The forward's count equals what ``torch.utils.flop_counter.FlopCounterMode`` counts for
+    :class:`DiT` (attention through the math kernel), checked in ``tests/test_flops.py``; a real
+    backward is a hair under 2x the forward (no gradient for the inputs of the first layers).
+    """
+    d, p, grid = cfg.hidden_size, cfg.patch_size, cfg.grid
+    mlp = int(d * cfg.mlp_ratio)
+
+    def block(tokens: int, span: int) -> int:
+        """A DiT block over ``tokens`` tokens, each attending to ``span`` of them."""
+        modulation = d * 6 * d  # once per sample
+        linear = tokens * (3 * d * d + d * d + 2 * d * mlp)  # qkv, proj, fc1, fc2
+        attention = 2 * tokens * span * d  # Q K^T and A V
+        return modulation + linear + attention
+
+    window = min(cfg.window, grid)
+    macs = grid * grid * d * cfg.in_channels * p * p  # patch embedding
+    macs += 256 * d + d * d  # timestep embedder (256 frequencies)
+    macs += 2 * cfg.window_depth * block(grid * grid, window * window)  # swinIn*, swinOut*
+    for level in range(cfg.scales):
+        tokens = (grid >> (level + 1)) ** 2
+        macs += tokens * 4 * d * d + cfg.stage_depth * block(tokens, tokens)  # merge 2x2, blocks
+        finer = (grid >> level) ** 2
+        macs += finer * (d * d + 2 * d * d) + cfg.stage_depth * block(finer, finer)  # up: conv 1x1, linear
+    coarsest = (grid >> cfg.scales) ** 2
+    macs += block(coarsest, coarsest)  # mid
+    macs += d * 2 * d + grid * grid * d * p * p * cfg.out_channels  # final layer
+    return 3 * 2 * macs

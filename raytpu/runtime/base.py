@@ -117,6 +117,20 @@ class Runtime:
         """Whether data loaders should pin host memory for copies to this device."""
         return False
 
+    def device_kind(self) -> str:
+        """The worker's device as its vendor names it (``NVIDIA H100 80GB HBM3``, ``v5litepod-8``)."""
+        return self.device.type
+
+    def device_peak_flops(self) -> float | None:
+        """Documented dense bf16 peak FLOP/s of one device (``raytpu.runtime.peaks``); None when
+        unknown, and on CPUs, which have no such figure."""
+        return None
+
+    def peak_flops(self) -> float | None:
+        """Peak FLOP/s of all the devices this worker drives: its share of MFU's denominator."""
+        peak = self.device_peak_flops()
+        return None if peak is None else peak * self.local_devices
+
     # --------------------------------------------------------------- model
     def prepare_model(
         self, model: nn.Module, find_unused_parameters: bool = False, sync_batchnorm: str = "auto"

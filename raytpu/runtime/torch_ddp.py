@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raytpu.runtime.base import Runtime, batchnorm_scope, clip_or_measure
 from raytpu.runtime.batchnorm import convert_to_global_batchnorm
+from raytpu.runtime.peaks import gpu_peak_flops
 
 
 class DDPRuntime(Runtime):
@@ -70,6 +71,12 @@ class DDPRuntime(Runtime):
     @property
     def pin_memory(self) -> bool:
         return self.device.type == "cuda"
+
+    def device_kind(self) -> str:
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+
+    def device_peak_flops(self) -> float | None:
+        return gpu_peak_flops(self.device_kind()) if self.device.type == "cuda" else None
 
     def rng_state(self) -> dict[str, Any]:
         state = super().rng_state()

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytpu.runtime.base import RecompileError, Runtime, batchnorm_scope, clip_or_measure, tpu_present
+from raytpu.runtime.peaks import gpu_peak_flops, tpu_peak_flops
 
 
 class XLARuntime(Runtime):
@@ -80,6 +81,22 @@ class XLARuntime(Runtime):
         import torch_xla.runtime as xr
 
         return xr.addressable_runtime_device_count() if self.spmd else 1
+
+    def device_kind(self) -> str:
+        """The TPU's accelerator type (``v5litepod-8``) where the VM says it, else PJRT's device
+        kind (``TPU v5 lite``, ``cpu``)."""
+        import torch_xla.core.xla_model as xm
+        import torch_xla.runtime as xr
+
+        if xr.device_type() == "TPU" and os.environ.get("TPU_ACCELERATOR_TYPE"):
+            return os.environ["TPU_ACCELERATOR_TYPE"]
+        return xm.xla_device_kind()
+
+    def device_peak_flops(self) -> float | None:
+        import torch_xla.runtime as xr
+
+        lookup = {"TPU": tpu_peak_flops, "CUDA": gpu_peak_flops}.get(xr.device_type())
+        return lookup(self.device_kind()) if lookup else None
 
     # --------------------------------------------------------------- model
     def prepare_model(
