@@ -361,3 +361,15 @@ def test_xla_training_step_compiles_nothing_after_warm_up(data):
 def small_model() -> dict:
     return {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+
+
+def test_flops_per_sample_is_palms_count_for_the_small_model():
+    """Hand count for small.yaml: N = 4 layers x (attention with GQA + 3 x 128 x 384 MLP + 2 norms)
+    + the final norm + the 4096 x 128 output head (the input embedding is a lookup, not counted)."""
+    cfg, job = load_config(SMALL)
+    model = job.build_model(cfg)
+    attention = 128 * 128 * 2 + 128 * 64 * 2  # q and o: 128 -> 128; k and v: 128 -> 2 heads x 32
+    matmuls = 4 * (attention + 3 * 128 * 384 + 2 * 128) + 128 + 4096 * 128
+    per_token = 6 * matmuls + 12 * 4 * 128 * 128
+    assert job.flops_per_sample(cfg, model) == per_token * 128
+    assert job.tokens_per_sample(cfg) == 128

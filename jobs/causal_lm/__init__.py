@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 
 from jobs.causal_lm import corpus
 from raytpu.config import Config
+from raytpu.flops import matmul_parameters, transformer_flops_per_token
 from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
 
 
@@ -138,6 +139,15 @@ class CausalLMJob(Job):
                 f"set job.vocab_size={vocabulary} or make the data again"
             )
         return corpus.PackedBlocks(tokens, cfg.job.seq_len)
+
+    def flops_per_sample(self, cfg: Config, model: nn.Module) -> float | None:
+        """PaLM's count for one block: (6 N + 12 L d T) per token, times T tokens."""
+        config, seq_len = model.config, cfg.job.seq_len
+        layers, width = config.num_hidden_layers, config.hidden_size
+        return float(transformer_flops_per_token(matmul_parameters(model), layers, width, seq_len) * seq_len)
+
+    def tokens_per_sample(self, cfg: Config) -> int | None:
+        return cfg.job.seq_len
 
     def synthesize(self, out: Path, vocab_size: int = 4096, corpus_dir: str = "", tokenizer: str = "") -> None:
         """``raytpu data synth causal_lm --out DIR [--vocab-size N] [--corpus-dir DIR] [--tokenizer DIR]``."""
