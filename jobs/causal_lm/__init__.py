@@ -159,7 +159,7 @@ class CausalLMJob(Job):
 
     # ---------------------------------------------------- tables (data.loader=ray)
     def table_names(self, src: Path) -> list[str]:
-        """One table per split: the token stream in rows of ``rows_per_file``-free chunks of ids."""
+        """One table per split made by ``raytpu data synth`` (train, valid, test)."""
         return [split for split in corpus.SPLITS if (Path(src) / f"{split}.npy").is_file()]
 
     def table_records(self, src: Path, table: str, rows: int) -> Iterator[Columns]:
@@ -169,7 +169,7 @@ class CausalLMJob(Job):
         count = len(tokens) // TABLE_ROW
         for start in range(0, count, rows):
             stop = min(start + rows, count)
-            chunk = np.asarray(tokens[start * TABLE_ROW : stop * TABLE_ROW], dtype=np.int32)
+            chunk = np.asarray(tokens[start * TABLE_ROW : stop * TABLE_ROW])  # uint16 for vocabularies up to 65,536
             yield {"id": np.arange(start, stop, dtype=np.int64), "input_ids": chunk.reshape(-1, TABLE_ROW)}
 
     def batch_decoder(self, cfg: Config, split: str, stats_root: Path) -> BatchDecoder:
