@@ -175,7 +175,7 @@ class Job:
     def export(self, model: nn.Module, cfg: Config, data_root: Path, out: Path) -> None:
         """``raytpu export``: write the trained ``model`` (weights loaded, on the CPU) to ``out`` in the
         format its ecosystem loads (a Transformers ``save_pretrained`` folder, ...)."""
-        raise ValueError(f"job {self.name!r} has no export format; its checkpoints are the weights")
+        raise NotImplementedError
 
     def test(self, model: nn.Module, cfg: Config, run_dir: Path, data_root: Path) -> dict[str, float]:
         """Optional job-specific test mode, run on rank 0 (e.g. a diffusion sampler).

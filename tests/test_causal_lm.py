@@ -373,3 +373,14 @@ def test_flops_per_sample_is_palms_count_for_the_small_model():
     per_token = 6 * matmuls + 12 * 4 * 128 * 128
     assert job.flops_per_sample(cfg, model) == per_token * 128
     assert job.tokens_per_sample(cfg) == 128
+
+
+def test_export_errors_are_one_line(trained, data, capsys):
+    checkpoint = str(sorted((trained / "ray").glob("checkpoint_0*"))[-1])
+    assert cli.main(["export", "jobs/mshnet/small.yaml", "--checkpoint", checkpoint, "--out", "/tmp/x"]) == 2
+    assert "job 'mshnet' has no export format" in capsys.readouterr().err
+    narrower = ["job.model_config={hidden_size: 64, num_attention_heads: 4}", "--checkpoint", checkpoint]
+    assert cli.main(["export", SMALL, f"data.path={data}", *narrower, "--out", "/tmp/x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("raytpu: error: ") and "does not hold weights of this config's model" in err
+    assert len(err.splitlines()) == 1
