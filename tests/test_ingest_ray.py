@@ -1,6 +1,6 @@
-"""data.loader=ray through real Ray Train (2 local CPU workers, the session's Ray):
-the two ingest paths visit the same samples, MSHNet trains, resumes and tests,
-CDEIT trains."""
+"""data.loader=ray on the session's Ray: through real Ray Train (2 local CPU workers) the two
+ingest paths visit the same samples; a run resumes from a mid-epoch checkpoint. (MSHNet tested
+and CDEIT trained through Ray Data on Ray Train: tests/test_integration_ray.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import pytest
 from raytpu import checkpoint as ckpt
 from raytpu import ingest, launcher
 from raytpu.config import load_config
-from tests.test_integration_ray import TINY
 
 pytestmark = pytest.mark.integration
 
@@ -101,36 +100,6 @@ def test_both_paths_give_every_worker_the_same_steps_and_each_id_once_per_epoch(
             assert first != second, loader
 
 
-def mshnet(tmp_path: Path, name: str, *extra: str) -> tuple[Any, Any]:
-    cfg, job = load_config(
-        "jobs/mshnet/small.yaml",
-        [
-            *TINY,
-            f"data.path={tmp_path / 'pq'}",
-            "data.loader=ray",
-            f"run.storage_path={tmp_path / 'results'}",
-            f"run.name={name}",
-            *extra,
-        ],
-    )
-    if not (tmp_path / "pq").exists():
-        job.synthesize(tmp_path / "native", **job.synth_options(cfg))
-        ingest.prepare(job, tmp_path / "native", str(tmp_path / "pq"))
-    return cfg, job
-
-
-def test_mshnet_trains_and_tests_through_ray_data(ray_session, tmp_path):
-    cfg, job = mshnet(tmp_path, "run", "loop.epochs=2")
-    summary = launcher.train(cfg, job)
-    latest = Path(summary["latest_checkpoint"])
-    assert (ckpt.read_meta(latest)["step"], ckpt.read_meta(latest)["epoch"]) == (8, 2)  # 32 images, 4 steps an epoch
-    assert scalars_steps(Path(summary["run_dir"]), "train/loss") == set(range(1, 9))
-    cfg.checkpoint.weights = str(latest)
-    metrics = launcher.test(cfg, job)
-    for name in ("mIoU", "nIoU", "Pd", "Fa"):  # valid and test are test.txt: same weights, same numbers
-        assert metrics[f"test/{name}"] == pytest.approx(summary["metrics"][f"valid/{name}"], rel=1e-6, abs=1e-9)
-
-
 def test_resume_from_a_mid_epoch_checkpoint_restarts_that_epoch_pass(ray_session, tmp_path):
     """In-process, one worker: the failure at step 13 leaves the step-10 checkpoint (epoch 1,
     2 of 8 steps done); the resumed run draws a fresh pass of epoch 1, drops its first 2
@@ -159,37 +128,3 @@ def test_resume_from_a_mid_epoch_checkpoint_restarts_that_epoch_pass(ray_session
     assert ckpt.read_meta(LocalReporter(tmp_path / "run").latest_checkpoint())["step"] == 10
     resumed = run()
     assert (resumed.progress.step, resumed.progress.epoch, resumed.steps_per_epoch) == (24, 3, 8)
-
-
-def scalars_steps(run_dir: Path, tag: str) -> set[int]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
-    events.Reload()
-    return {event.step for event in events.Scalars(tag)}
-
-
-def test_cdeit_trains_through_ray_data(ray_session, tmp_path):
-    cfg, job = load_config(
-        "jobs/cdeit/small.yaml",
-        [
-            f"data.path={tmp_path / 'pq'}",
-            "data.loader=ray",
-            f"run.storage_path={tmp_path / 'results'}",
-            "run.name=cdeit",
-            "job.synth_n_train=32",
-            "job.synth_n_valid=8",
-            "job.synth_n_test=8",
-            "loop.epochs=2",
-            "data.global_batch_size=8",
-            "data.materialize_mb=0",  # the streaming read (the other tests' sets are small: materialized)
-            "logging.progress_bar=false",
-        ],
-    )
-    job.synthesize(tmp_path / "native", **job.synth_options(cfg))
-    ingest.prepare(job, tmp_path / "native", (tmp_path / "pq").as_uri())
-    cfg.data.path = (tmp_path / "pq").as_uri()  # read through pyarrow's filesystem layer
-    summary = launcher.train(cfg, job)
-    assert Path(summary["best_checkpoint"], "ema.safetensors").is_file()
-    assert ckpt.read_meta(Path(summary["latest_checkpoint"]))["step"] == 8
-    assert "valid/val_loss" in summary["metrics"]

@@ -1,5 +1,7 @@
 """MSHNet and CDEIT small through real Ray Train: 2 local CPU workers, checkpoints, TensorBoard, test mode.
-(Failures, kills, signals and resumes: tests/test_faults.py.)"""
+Each job trains through one ingest path and is tested through the other (MSHNet: torch then
+Ray Data; CDEIT: Ray Data then torch), so that every run checks both. (The two paths' batches
+side by side: tests/test_ingest_ray.py; failures, kills, signals and resumes: tests/test_faults.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from raytpu import launcher
+from raytpu import checkpoint as ckpt
+from raytpu import ingest, launcher
 from raytpu.config import load_config
 
 pytestmark = pytest.mark.integration
@@ -43,9 +46,13 @@ def configure(tmp_path: Path, name: str, *extra: str):
 
 
 def scalars(run_dir: Path, tag: str) -> list[float]:
+    return [event.value for event in scalar_events(run_dir, tag)]
+
+
+def scalar_events(run_dir: Path, tag: str) -> list:
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
     events.Reload()
-    return [event.value for event in events.Scalars(tag)]
+    return events.Scalars(tag)
 
 
 def test_mshnet_trains_on_two_workers_and_tests(ray_session, tmp_path, capsys):
@@ -62,31 +69,44 @@ def test_mshnet_trains_on_two_workers_and_tests(ray_session, tmp_path, capsys):
     assert any(tag.startswith("valid/") for tag in events.Tags()["images"])
     assert {"valid/mIoU", "valid/nIoU", "valid/Pd", "valid/Fa"} <= set(summary["metrics"])
 
+    # test mode through Ray Data (tables prepared from the same images): MSHNet validates on the
+    # test split, so the same weights give the same numbers as the torch path's last evaluation
+    ingest.prepare(job, tmp_path / "data", str(tmp_path / "pq"))
+    cfg.data.path, cfg.data.loader = str(tmp_path / "pq"), "ray"
     cfg.checkpoint.weights = summary["latest_checkpoint"]
     metrics = launcher.test(cfg, job)
-    for name in ("mIoU", "nIoU", "Pd", "Fa"):  # MSHNet validates on the test split: same weights, same numbers
+    for name in ("mIoU", "nIoU", "Pd", "Fa"):
         assert metrics[f"test/{name}"] == pytest.approx(summary["metrics"][f"valid/{name}"], rel=1e-6, abs=1e-9)
 
 
-def test_cdeit_trains_on_two_workers_and_samples_in_test_mode(ray_session, tmp_path):
+def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(ray_session, tmp_path):
     cfg, job = load_config(
         "jobs/cdeit/small.yaml",
         [
-            f"data.path={tmp_path / 'cdeit'}",
+            f"data.path={(tmp_path / 'pq').as_uri()}",  # read through pyarrow's filesystem layer
+            "data.loader=ray",
+            "data.materialize_mb=0",  # the streaming read (the other tests' sets are small: materialized)
             f"run.storage_path={tmp_path / 'results'}",
             "run.name=cdeit",
             "job.synth_n_train=32",
             "job.synth_n_valid=8",
             "job.synth_n_test=8",
             "loop.epochs=2",
+            "loop.log_every=1",
             "data.global_batch_size=8",
             "logging.progress_bar=false",
         ],
     )
     job.synthesize(tmp_path / "cdeit", **job.synth_options(cfg))  # not ./data/cdeit of the checkout
+    ingest.prepare(job, tmp_path / "cdeit", (tmp_path / "pq").as_uri())
     summary = launcher.train(cfg, job)
     assert Path(summary["best_checkpoint"], "ema.safetensors").is_file()
+    latest = ckpt.read_meta(Path(summary["latest_checkpoint"]))
+    assert (latest["step"], latest["epoch"]) == (8, 2)  # 32 samples, 4 steps an epoch
+    assert {event.step for event in scalar_events(Path(summary["run_dir"]), "train/loss")} == set(range(1, 9))
     assert "valid/val_loss" in summary["metrics"]
+
+    cfg.data.path, cfg.data.loader = str(tmp_path / "cdeit"), "torch"  # test mode through the torch path
     cfg.checkpoint.weights = summary["best_checkpoint"]
     metrics = launcher.test(cfg, job)
     assert metrics["test/images"] == 8 and metrics["test/rmse"] > 0 and metrics["test/psnr"] > 0

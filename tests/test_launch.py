@@ -187,12 +187,15 @@ def test_a_killed_process_restarts_from_the_last_saved_state(ray_session, tmp_pa
 
     killer = threading.Thread(target=kill_a_worker, daemon=True)
     killer.start()
+    # 512 samples / 32 a step = 16 steps an epoch, 32 in all, a state every 4: the kill comes at
+    # step 8 or soon after, with at least 6 s (24 steps of 0.25 s) of the run still to go
     argv = ["--num_processes", "2", "--max-failures", "1", EXAMPLE, "--epochs", "2", "--step-sleep", "0.25"]
+    argv += ["--samples", "512", "--ckpt-every", "4"]
     code = launch(tmp_path, "killed", *argv, "--results-dir", str(tmp_path / "out"))
     killer.join()
     assert code == 0, log_of(tmp_path, "killed")[-3000:]
     log = log_of(tmp_path, "killed")
-    assert "resumed at step" in log and '"steps": 64' in log, log[-2000:]
+    assert "resumed at step" in log and '"steps": 32' in log, log[-2000:]
 
 
 @pytest.mark.integration

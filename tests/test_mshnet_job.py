@@ -56,6 +56,11 @@ def test_model_and_datasets(cfg):
     assert sum(p.numel() for p in mshnet.JOB.build_model(default).parameters()) == 4_065_513
     with pytest.raises(ValueError, match="multiples of 16"):
         mshnet.JOB.check_config(SimpleNamespace(job=mshnet.MSHNetConfig(crop_size=40)))
+    shallow = mshnet.JOB.build_model(SimpleNamespace(job=mshnet.MSHNetConfig(blocks=1)))
+    assert (len(shallow.encoder_1), len(shallow.decoder_1), len(shallow.encoder_0)) == (1, 1, 1)
+    assert len(mshnet.JOB.build_model(default).encoder_1) == 2
+    with pytest.raises(ValueError, match="job.blocks must be at least 1, got 0"):
+        mshnet.JOB.check_config(SimpleNamespace(job=mshnet.MSHNetConfig(blocks=0)))
     lengths = {split: len(mshnet.JOB.build_dataset(cfg, split, cfg.root)) for split in ("train", "valid", "test")}
     assert lengths == {"train": 8, "valid": 2, "test": 2}
     assert mshnet.JOB.build_dataset(cfg, "train", cfg.root).augment

@@ -4,7 +4,7 @@ Used by tests in a subprocess (torch_xla reads PJRT_DEVICE / CPU_NUM_DEVICES onc
 per process). Usage: python -m tests.xla_probe WARMUP_STEPS OVERRIDE... [-- OVERRIDE...]...;
 each ``--``-separated group is one run, in order, in this one process (runs whose step is
 the same graph share XLA's in-memory compile cache); prints one JSON line per run: compiles
-and fallback counters seen after the warm-up steps, and the losses. With ``data.loader=ray``
+and fallback counters seen after the warm-up steps, the losses and the run's wall time. With ``data.loader=ray``
 the batches come from the prepared tables through a local Ray instance started here, as a
 Ray Train worker would read its dataset shard.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -81,6 +82,7 @@ def main(argv: list[str]) -> None:
 
 
 def probe_run(warmup: int, overrides: list[str]) -> dict:
+    start = time.perf_counter()
     met.clear_all()
     cfg, job = load_config(None, ["logging.progress_bar=false", "logging.eval_images=0", *overrides])
     runtime = make_runtime("xla", cfg.scaling.precision, 1, 0, 0, cfg.xla)
@@ -109,6 +111,7 @@ def probe_run(warmup: int, overrides: list[str]) -> dict:
         "steps_checked": len(steps),
         "losses": probe.seen["losses"],
         "input_sharding": probe.seen.get("input_sharding"),
+        "seconds": round(time.perf_counter() - start, 1),  # the run's wall time, compiles included
     }
 
 

@@ -1,5 +1,5 @@
 """CDEIT's test mode (the 5-step DDIM-EIT sampler) on the XLA CPU device: how many
-graphs it compiles. Usage: python -m tests.xla_sampler_probe DATA_ROOT RUN_DIR BATCH ;
+graphs it compiles. Usage: python -m tests.xla_sampler_probe DATA_ROOT RUN_DIR BATCH [OVERRIDE...];
 prints one JSON line with the compiles of a first and a second full test pass."""
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ def compiles() -> int:
     return data[0] if data else 0
 
 
-def main(data_root: str, run_dir: str, batch: str) -> None:
+def main(data_root: str, run_dir: str, batch: str, *overrides: str) -> None:
     cfg, job = load_config(
-        "jobs/cdeit/small.yaml", [f"data.path={data_root}", f"data.global_batch_size={batch}", "job.test_images=4"]
+        "jobs/cdeit/small.yaml",
+        [f"data.path={data_root}", f"data.global_batch_size={batch}", "job.test_images=4", *overrides],
     )
     model = job.build_model(cfg).to(torch_xla.device())
     counts = []

@@ -28,6 +28,7 @@ class MSHNetConfig(JobConfig):
     crop_size: int = 256  # train crop
     warm_epoch: int = 5  # epochs 0..warm_epoch (warm_epoch + 1 of them) train the level-0 head; -1: no warm-up
     widths: list[int] = field(default_factory=lambda: [16, 32, 64, 128, 256])
+    blocks: int = 2  # attention residual blocks in each stage of levels 1-3, the middle and their decoders
     synth_n: int = 100  # images made by `raytpu data synth` / data.synthesize_if_missing
     synth_size: int = 256
     legacy_fa: bool = False  # count Fa as the authors' PD_FA does (see jobs/mshnet/metrics.py)
@@ -74,6 +75,8 @@ class MSHNetJob(Job):
             raise ValueError(f"job.warm_epoch must be at least -1 (no warm-up), got {job.warm_epoch}")
         if len(job.widths) != 5 or min(job.widths) < 1:
             raise ValueError(f"job.widths must be 5 positive channel counts, got {job.widths}")
+        if job.blocks < 1:
+            raise ValueError(f"job.blocks must be at least 1, got {job.blocks}")
         if job.fusion_init not in ("random", "level0"):
             raise ValueError(f"job.fusion_init must be 'random' or 'level0', got {job.fusion_init!r}")
         if job.synth_n < 2 or job.synth_size < 16:
@@ -82,7 +85,7 @@ class MSHNetJob(Job):
             )
 
     def build_model(self, cfg: Any) -> nn.Module:
-        model = MSHNet(3, cfg.job.widths)
+        model = MSHNet(3, cfg.job.widths, cfg.job.blocks)
         if cfg.job.fusion_init == "level0":
             init_fusion_as_level0(model)
         return model
