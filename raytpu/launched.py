@@ -187,7 +187,7 @@ def prepare_environment(payload: dict[str, Any], rank: int) -> None:
 
 def process_environment(payload: dict[str, Any], chip_env: dict[str, str] | None) -> dict[str, str]:
     """What a launched process adds to its environment: the launch options for Accelerate, the
-    switches that keep Accelerate off XLA on cpu/cuda, and on a TPU slice ``chip_env``, the
+    switch that keeps Accelerate (and Transformers) on or off XLA, and on a TPU slice ``chip_env``, the
     chip's PJRT environment (``raytpu.tpu.chip_process_env``)."""
     runtime = payload["runtime"]
     env = {
@@ -196,8 +196,7 @@ def process_environment(payload: dict[str, Any], chip_env: dict[str, str] | None
         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(payload["gradient_accumulation_steps"]),
         **(chip_env or {}),
     }
-    if runtime in ("cpu", "cuda"):
-        env["USE_TORCH_XLA"] = "0"
+    env["USE_TORCH_XLA"] = "1" if runtime == "xla" else "0"  # the driver's own "0" must not reach an XLA worker
     if runtime == "cpu":
         env["ACCELERATE_USE_CPU"] = "true"
     return env

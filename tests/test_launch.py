@@ -94,7 +94,7 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     """v5e-8 (one host, 8 chips) and v4-16 (two hosts of 4 chips, reserved by Ray in the other
     order): every launched process gets torch_xla's per-chip environment, a distinct task id
     for every chip of the slice, and bf16 from ``--mixed_precision auto``; nothing that would
-    keep Accelerate off XLA."""
+    keep Accelerate off XLA (the driver's own USE_TORCH_XLA=0 is overridden)."""
     from raytpu.launch import ACCELERATE_NAMES, PRECISIONS, settings_from
     from raytpu.launched import process_environment
     from raytpu.runtime.base import resolve_precision
@@ -110,7 +110,7 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     assert sorted(int(env["CLOUD_TPU_TASK_ID"]) for env in envs) == list(range(8))
     assert {env["PJRT_DEVICE"] for env in envs} == {"TPU"}
     assert {env["ACCELERATE_MIXED_PRECISION"] for env in envs} == {"bf16"}
-    assert all("USE_TORCH_XLA" not in env and "ACCELERATE_USE_CPU" not in env for env in envs)
+    assert all(env["USE_TORCH_XLA"] == "1" and "ACCELERATE_USE_CPU" not in env for env in envs)
     assert {env["TPU_VISIBLE_CHIPS"] for env in envs} == {str(chip) for chip in range(spec.chips_per_host)}
     assert len({env["TPU_PROCESS_ADDRESSES"] for env in envs}) == 1
 
