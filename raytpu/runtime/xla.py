@@ -90,6 +90,8 @@ class XLARuntime(Runtime):
 
         if xr.device_type() == "TPU" and os.environ.get("TPU_ACCELERATOR_TYPE"):
             return os.environ["TPU_ACCELERATOR_TYPE"]
+        if self.spmd:  # the SPMD virtual device has no kind of its own: PJRT's device type
+            return xr.device_type().lower()
         return xm.xla_device_kind()
 
     def device_peak_flops(self) -> float | None:
