@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.loop_overhead import raytpu_loop  # noqa: E402
+from bench.loop_overhead import raytpu_loop, side_by_side  # noqa: E402
 from raytpu.config import load_config  # noqa: E402
 from raytpu.optim import build_optimizer  # noqa: E402
 
@@ -65,14 +65,13 @@ def main() -> None:
     cfg, job = load_config(CONFIG, overrides)
     job.synthesize(data_dir, **job.synth_options(cfg))
     tokens = cfg.job.seq_len
-    bare, ours = [], []
-    for repeat in range(args.repeats):
-        bare.append(bare_transformers_loop(cfg, job, data_dir, args.warmup, args.steps) * tokens)
-        ours.append(raytpu_loop(cfg, job, data_dir, args.warmup, args.steps) * tokens)
-        print(f"repeat {repeat}: bare {bare[-1]:,.0f} tokens/s, raytpu {ours[-1]:,.0f} tokens/s", flush=True)
     print(f"model={CONFIG} batch={args.batch}x{tokens} steps={args.steps} threads={torch.get_num_threads()}")
-    print(f"bare={max(bare):,.0f} tokens/s raytpu={max(ours):,.0f} tokens/s (best of {args.repeats})")
-    print(f"ratio={max(ours) / max(bare):.3f}")
+    side_by_side(
+        lambda: bare_transformers_loop(cfg, job, data_dir, args.warmup, args.steps) * tokens,
+        lambda: raytpu_loop(cfg, job, data_dir, args.warmup, args.steps) * tokens,
+        args.repeats,
+        "tokens/s",
+    )
 
 
 if __name__ == "__main__":

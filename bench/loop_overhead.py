@@ -13,6 +13,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -102,14 +103,25 @@ def main() -> None:
     data_dir = Path(tempfile.mkdtemp(prefix="bench-data-")) / args.job
     cfg, job = load_config(CONFIGS[args.job], settings(args.job, data_dir, args.warmup + args.steps, args.batch))
     job.synthesize(data_dir, **job.synth_options(cfg))
-    bare, ours = [], []
-    for repeat in range(args.repeats):
-        bare.append(bare_loop(cfg, job, data_dir, args.warmup, args.steps))
-        ours.append(raytpu_loop(cfg, job, data_dir, args.warmup, args.steps))
-        print(f"repeat {repeat}: bare {bare[-1]:.2f} samples/s, raytpu {ours[-1]:.2f} samples/s", flush=True)
     print(f"job={args.job} batch={args.batch} steps={args.steps} threads={torch.get_num_threads()}")
-    print(f"bare={max(bare):.2f} samples/s raytpu={max(ours):.2f} samples/s (best of {args.repeats})")
-    print(f"ratio={max(ours) / max(bare):.3f}")
+    side_by_side(
+        lambda: bare_loop(cfg, job, data_dir, args.warmup, args.steps),
+        lambda: raytpu_loop(cfg, job, data_dir, args.warmup, args.steps),
+        args.repeats,
+        "samples/s",
+    )
+
+
+def side_by_side(bare: Callable[[], float], ours: Callable[[], float], repeats: int, unit: str) -> None:
+    """Alternate the two measurements ``repeats`` times; print each round, the best of each and,
+    last, ``ratio=<raytpu/bare>`` of the bests."""
+    bests = [0.0, 0.0]
+    for repeat in range(repeats):
+        rates = [bare(), ours()]
+        bests = [max(best, rate) for best, rate in zip(bests, rates)]
+        print(f"repeat {repeat}: bare {rates[0]:,.2f} {unit}, raytpu {rates[1]:,.2f} {unit}", flush=True)
+    print(f"bare={bests[0]:,.2f} {unit} raytpu={bests[1]:,.2f} {unit} (best of {repeats})")
+    print(f"ratio={bests[1] / bests[0]:.3f}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from raytpu.args import ConfigError, mapping_as_flags, parse_overrides
+from raytpu.args import Alias, ConfigError, mapping_as_flags, parse_overrides
 from raytpu.job import Job, JobConfig, load_job
 from raytpu.training_args import TRAINING_ARGUMENTS
 from raytpu.validation import validate
@@ -167,7 +167,7 @@ class Config:
 
 
 #: flags and short keys every job accepts: alias -> dotted key
-COMMON_ALIASES: dict[str, str] = {
+COMMON_ALIASES: dict[str, Alias] = {
     "runtime": "scaling.runtime",
     "num_workers": "scaling.num_workers",
     "precision": "scaling.precision",
@@ -218,7 +218,7 @@ def read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: YAML syntax error: {' '.join(str(exc).split())}") from exc
 
 
-def job_aliases_for(raw: dict[str, Any], overrides: list[str]) -> dict[str, str]:
+def job_aliases_for(raw: dict[str, Any], overrides: list[str]) -> dict[str, Alias]:
     """Aliases of the job named in the file or the overrides (seed flags)."""
     name = (raw.get("job") or {}).get("name")
     for item in overrides:
