@@ -63,6 +63,9 @@ class XLAConfig:
     compile_cache: str = ""  # "" = <run dir>/xla_cache; "none" disables it
     strict_recompile: bool = False
     debug_metrics: bool = False
+    # FSDPv2's wrapping units by class name ([] = the model's _no_split_modules: decoder layers)
+    fsdp_layers: list[str] = field(default_factory=list)
+    grad_ckpt: bool = False  # torch_xla's gradient checkpointing of each unit (Transformers' xla_fsdp_grad_ckpt)
 
 
 @dataclass

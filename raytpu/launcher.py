@@ -24,7 +24,7 @@ from raytpu.errors import RunFailed, RunStopped
 from raytpu.job import Job
 from raytpu.runtime import pick_runtime
 from raytpu.tpu import check_num_workers, slice_spec, workers_for_layout
-from raytpu.validation import apply_per_device_batch
+from raytpu.validation import resolve_for_runtime
 from raytpu.worker import WorkerPayload
 
 os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
@@ -93,7 +93,7 @@ def check_cluster_fits(cfg: Config) -> None:
     """After connecting: the runtime resolved, a CPU left to Ray Data, and the workers checked against
     the cluster (a demand it can never meet is a one-line error, not a wait)."""
     cfg.scaling.runtime = cluster_runtime(cfg.scaling.runtime)
-    apply_per_device_batch(cfg)
+    resolve_for_runtime(cfg)
     leave_cpu_for_ray_data(cfg)
     what = f"{cfg.scaling.num_workers} {cfg.scaling.runtime} worker(s)"
     preflight.check_fit(worker_bundles(cfg), what)
@@ -322,7 +322,7 @@ def train_local(cfg: Config, job: Job) -> dict[str, Any]:
 
     local.check_local(cfg)
     cfg.scaling.runtime = local_runtime(cfg.scaling.runtime)
-    apply_per_device_batch(cfg)
+    resolve_for_runtime(cfg)
     data_root = check_files(cfg, job, "train")
     absolute_paths(cfg)
     return local.train(cfg, job, data_root, run_dir(cfg))

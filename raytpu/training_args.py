@@ -9,8 +9,10 @@ device" means per data-parallel replica (a worker on cpu/cuda, a chip on XLA), r
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from raytpu.args import Alias, ConfigError, Flag, warn
@@ -111,6 +113,57 @@ def resume_from_checkpoint(value: Any) -> Pairs:
     return []
 
 
+FSDP_MODES = {"full_shard", "shard_grad_op", "auto_wrap"}
+
+
+def fsdp(value: Any) -> Pairs:
+    """``--fsdp full_shard [auto_wrap]``: FSDPv2 on the SPMD mesh, every device on the ``fsdp`` axis
+    unless ``xla.mesh`` says otherwise; ``""`` / ``false``: none."""
+    words = value if isinstance(value, list) else str(value).replace(",", " ").split()
+    if value is False or words in ([], ["false"], ["no"], ["none"]):
+        return []
+    unsupported = [word for word in words if word not in FSDP_MODES]
+    if unsupported:
+        raise ConfigError(
+            f"--fsdp {' '.join(unsupported)} is not supported: raytpu's FSDP is torch_xla's FSDPv2 "
+            "(--fsdp full_shard; CPU offload and hybrid sharding are not offered)"
+        )
+    if "shard_grad_op" in words:
+        warn("--fsdp shard_grad_op runs as full_shard: FSDPv2 shards parameters, gradients and optimizer state")
+    return [("xla.spmd", True), ("xla.mesh.fsdp", -1)]
+
+
+def fsdp_config(value: Any) -> Pairs:
+    """``--fsdp_config`` as Transformers takes it: a JSON object, or a JSON file's path; keys may
+    carry Transformers' ``fsdp_`` prefix."""
+    settings = value if isinstance(value, dict) else read_json_object(str(value))
+    settings = {key.removeprefix("fsdp_"): item for key, item in settings.items()}
+    if settings.get("xla") is False or settings.get("xla_fsdp_v2") is False:
+        raise ConfigError(
+            "--fsdp_config: raytpu's FSDP is torch_xla's FSDPv2 on the SPMD mesh; "
+            'set "xla": true and "xla_fsdp_v2": true (FSDPv1 and torch FSDP are not offered)'
+        )
+    pairs: Pairs = []
+    for key, item in settings.items():
+        if key == "xla_fsdp_grad_ckpt":
+            pairs.append(("xla.grad_ckpt", bool(item)))
+        elif key == "transformer_layer_cls_to_wrap":
+            pairs.append(("xla.fsdp_layers", [item] if isinstance(item, str) else list(item)))
+        elif key not in ("xla", "xla_fsdp_v2"):
+            warn(f"--fsdp_config {key} is ignored: raytpu wraps each decoder layer (or the xla.fsdp_layers classes)")
+    return pairs
+
+
+def read_json_object(text: str) -> dict[str, Any]:
+    try:
+        settings = json.loads(Path(text).read_text()) if Path(text).is_file() else json.loads(text)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--fsdp_config {text!r} is neither a JSON object nor a JSON file ({exc})") from exc
+    if not isinstance(settings, dict):
+        raise ConfigError(f"--fsdp_config {text!r} is not a JSON object")
+    return settings
+
+
 #: flag -> raytpu key (or rule); the README's table lists the same
 TRAINING_ARGUMENTS: dict[str, Alias] = {
     "--output_dir": "run.storage_path",
@@ -139,6 +192,8 @@ TRAINING_ARGUMENTS: dict[str, Alias] = {
     "--bf16": Flag(switch=True, convert=precision("bf16")),
     "--fp16": Flag(switch=True, convert=precision("fp16")),
     "--gradient_checkpointing": Flag(key="job.gradient_checkpointing", switch=True),
+    "--fsdp": Flag(convert=fsdp),
+    "--fsdp_config": Flag(convert=fsdp_config),
     "--debug": Flag(convert=debug),
     "--do_train": Flag(switch=True, convert=do_train),
     "--do_eval": Flag(switch=True, convert=lambda on: []),  # raytpu evaluates at its eval steps either way

@@ -149,6 +149,23 @@ def data_parallel_replicas(cfg: Config) -> int:
     return slice_spec(scaling.tpu.accelerator_type, scaling.tpu.topology).num_chips
 
 
+def resolve_for_runtime(cfg: Config) -> None:
+    """What depends on the runtime, settled on the driver once it is known: per-device batches
+    and where gradient checkpointing happens."""
+    apply_per_device_batch(cfg)
+    xla_gradient_checkpointing(cfg)
+
+
+def xla_gradient_checkpointing(cfg: Config) -> None:
+    """On xla a job's ``gradient_checkpointing`` (Transformers' ``torch.utils.checkpoint``) becomes
+    torch_xla's of each decoder layer (``xla.grad_ckpt``): XLA's common-subexpression elimination
+    merges a plain checkpoint's recomputation back into the forward, saving no memory; torch_xla's
+    puts an optimization barrier in its way."""
+    if cfg.scaling.runtime == "xla" and getattr(cfg.job, "gradient_checkpointing", False):
+        cfg.job.gradient_checkpointing = False
+        cfg.xla.grad_ckpt = True
+
+
 def apply_per_device_batch(cfg: Config) -> None:
     """Turn ``--per_device_train_batch_size`` / ``--per_device_eval_batch_size`` into the global batches
     (x replicas, and x accumulation steps for training); called on the driver once the runtime is known."""

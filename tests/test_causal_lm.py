@@ -1,5 +1,5 @@
 """The Transformers causal-LM job: corpus and tokenizer, the model's own loss, TrainingArguments
-flags, learning on 2 Ray workers with a resume, export to ``from_pretrained``, XLA compiles."""
+flags, learning on 2 Ray workers with a resume, export to ``from_pretrained`` (its XLA step: ``tests/test_fsdp.py``)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from raytpu.loop import Trainer
 from raytpu.reports import Cadence
 from raytpu.runtime import make_runtime
 from raytpu.validation import apply_per_device_batch
-from tests.conftest import ROOT, run_python
+from tests.conftest import ROOT
 
 SMALL = str(ROOT / "jobs" / "causal_lm" / "small.yaml")
 
@@ -342,25 +342,6 @@ def test_export_without_a_checkpoint_is_a_one_line_error(capsys):
     assert cli.main(["export", SMALL, "--out", "/tmp/x"]) == 2
     expected = "raytpu: error: export needs --checkpoint PATH (a checkpoint folder or weights file)"
     assert capsys.readouterr().err.strip() == expected
-
-
-# ------------------------------------------------------------------ XLA
-@pytest.mark.xla
-def test_xla_training_step_compiles_nothing_after_warm_up(data):
-    args = ["-m", "tests.xla_probe", "2", "job.name=causal_lm", f"data.path={data}", "data.global_batch_size=4"]
-    args += ["scaling.num_workers=1", "loop.max_steps=5", "loop.log_every=1", "job.sample_tokens=0"]
-    args += [f"job.model_config={json.dumps(small_model())}"]
-    done = run_python(args, env={"PJRT_DEVICE": "CPU"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["steps_checked"] == 3 and report["compiles_after_warmup"] == 0, report
-    assert report["fallbacks_after_warmup"] == [], report
-    assert report["losses"][-1] < report["losses"][0]
-
-
-def small_model() -> dict:
-    return {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
 
 
 def test_flops_per_sample_is_palms_count_for_the_small_model():

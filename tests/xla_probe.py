@@ -4,9 +4,10 @@ Used by tests in a subprocess (torch_xla reads PJRT_DEVICE / CPU_NUM_DEVICES onc
 per process). Usage: python -m tests.xla_probe WARMUP_STEPS OVERRIDE... [-- OVERRIDE...]...;
 each ``--``-separated group is one run, in order, in this one process (runs whose step is
 the same graph share XLA's in-memory compile cache); prints one JSON line per run: compiles
-and fallback counters seen after the warm-up steps, the losses and the run's wall time. With ``data.loader=ray``
-the batches come from the prepared tables through a local Ray instance started here, as a
-Ray Train worker would read its dataset shard.
+and fallback counters seen after the warm-up steps, the losses, how the model was wrapped
+(FSDPv2 units; modules under torch_xla's gradient checkpointing), the run folder and the
+run's wall time. With ``data.loader=ray`` the batches come from the prepared tables through a
+local Ray instance started here, as a Ray Train worker would read its dataset shard.
 """
 
 from __future__ import annotations
@@ -99,12 +100,17 @@ def probe_run(warmup: int, overrides: list[str]) -> dict:
 
     job.train_step = probe_job_step  # on the instance, for this run
     reporter = LocalReporter(run_dir)
+    trainer = Trainer(cfg, job, runtime, run_dir, data_root, reporter, ray_datasets(cfg, job), [probe])
     try:
-        Trainer(cfg, job, runtime, run_dir, data_root, reporter, ray_datasets(cfg, job), [probe]).fit()
+        trainer.fit()
     finally:
         del job.train_step
     steps = probe.seen["steps"].values()
+    modules = list(trainer.model.modules())
     return {
+        "run_dir": str(run_dir),
+        "fsdp_wrappers": sum(type(m).__name__ == "SpmdFullyShardedDataParallel" for m in modules),
+        "checkpointed_modules": sum("_xla_checkpointed_forward_original" in vars(m) for m in modules),
         "devices": runtime.local_devices,
         "compiles_after_warmup": sum(s["compiles"] for s in steps),
         "fallbacks_after_warmup": sorted({f for s in steps for f in s["fallbacks"]}),

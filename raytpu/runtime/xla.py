@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytpu.runtime.base import RecompileError, Runtime, batchnorm_scope, clip_or_measure, tpu_present
+from raytpu.runtime.fsdp import plain_state_dict_names, units_of, wrapping_units
 from raytpu.runtime.peaks import gpu_peak_flops, tpu_peak_flops
 
 
@@ -107,12 +108,45 @@ class XLARuntime(Runtime):
         scope = batchnorm_scope(self.name, sync_batchnorm, self.spmd, self.world_size)
         if scope == "global" and sync_batchnorm == "false" and self.spmd:
             warnings.warn("loop.sync_batchnorm=false: under SPMD BatchNorm normalises the global batch", stacklevel=2)
-        model = model.to(self.device)
-        if not self.fsdp:
-            return model
-        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+        from torch_xla.distributed.fsdp import checkpoint_module
 
-        return SpmdFullyShardedDataParallel(model, mesh=self.mesh, shard_output=self._shard_batch_outputs)
+        model = model.to(self.device)
+        layers = self.options.fsdp_layers if self.options else []
+        grad_ckpt = bool(self.options and self.options.grad_ckpt)
+        units = wrapping_units(model, layers) if self.fsdp or grad_ckpt else set()
+        if grad_ckpt and not units:
+            raise ValueError(
+                "xla.grad_ckpt checkpoints the model's repeated blocks, and this model declares none: "
+                "set xla.fsdp_layers to their class names"
+            )
+        if not self.fsdp:
+            for unit in units_of(model, units) if grad_ckpt else []:
+                checkpoint_module(unit)
+            return model
+        return self._shard(model, units, grad_ckpt)
+
+    def _shard(self, model: nn.Module, units: set[type[nn.Module]], grad_ckpt: bool) -> nn.Module:
+        """FSDPv2: each unit (a decoder layer) wrapped on its own, with torch_xla's gradient
+        checkpointing when asked, then the rest of the model; checkpoints keep plain names."""
+        import functools
+
+        from torch_xla.distributed.fsdp import checkpoint_module
+        from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
+
+        def wrap_unit(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+            wrapper = FSDPv2(checkpoint_module(module) if grad_ckpt else module, *args, **kwargs)
+            plain_state_dict_names(wrapper)
+            return wrapper
+
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=units) if units else None
+        return FSDPv2(
+            model,
+            mesh=self.mesh,
+            shard_output=self._shard_batch_outputs,
+            auto_wrap_policy=policy,
+            auto_wrapper_callable=wrap_unit if units else None,
+        )
 
     @property
     def fsdp(self) -> bool:
@@ -251,13 +285,12 @@ class XLARuntime(Runtime):
 
 
 def mesh_shape(devices: int, data: int, fsdp: int) -> tuple[int, int]:
-    """Size the ``(data, fsdp)`` mesh; -1 on one axis means "the rest"."""
-    if data == -1 and fsdp == -1:
-        raise ValueError("xla.mesh: at most one of data and fsdp may be -1")
-    if data == -1:
-        data = devices // max(fsdp, 1)
+    """Size the ``(data, fsdp)`` mesh; -1 on an axis means "the rest" (``fsdp`` first: with both
+    -1, as ``--fsdp full_shard`` leaves the default ``data``, every device is on ``fsdp``)."""
     if fsdp == -1:
         fsdp = devices // max(data, 1)
+    if data == -1:
+        data = devices // max(fsdp, 1)
     if data * fsdp != devices:
         raise ValueError(f"xla.mesh data={data} x fsdp={fsdp} must equal the {devices} devices of the worker")
     return data, fsdp
