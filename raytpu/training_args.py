@@ -139,6 +139,7 @@ TRAINING_ARGUMENTS: dict[str, Alias] = {
     "--bf16": Flag(switch=True, convert=precision("bf16")),
     "--fp16": Flag(switch=True, convert=precision("fp16")),
     "--gradient_checkpointing": Flag(key="job.gradient_checkpointing", switch=True),
+    "--auto_find_batch_size": Flag(key="loop.auto_find_batch_size", switch=True),
     "--debug": Flag(convert=debug),
     "--do_train": Flag(switch=True, convert=do_train),
     "--do_eval": Flag(switch=True, convert=lambda on: []),  # raytpu evaluates at its eval steps either way
