@@ -104,6 +104,7 @@ class LoopConfig:
     epochs: int = 1
     max_steps: int = 0  # 0 = epochs * steps per epoch
     grad_accum: int = 1
+    auto_find_batch_size: bool = False  # halve the per-device batch (doubling grad_accum) on out-of-memory
     clip_grad_norm: float = 0.0  # 0 = no clipping
     ema_beta: float = 0.0  # 0 = no EMA of the weights; else the decay it reaches
     ema_every: int = 1  # steps between EMA updates

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from raytpu import preflight
+from raytpu.batch_finder import ray_max_failures, recorded_text
 from raytpu.cluster import check_reachable, connect
 from raytpu.config import Config, ConfigError, dump_yaml, to_dict
 from raytpu.errors import RunFailed, RunStopped
@@ -131,7 +132,7 @@ def build_trainer(cfg: Config, payload: WorkerPayload, name: str, callbacks: lis
         name=name,
         storage_path=str(Path(cfg.run.storage_path).resolve()),
         checkpoint_config=checkpoints,
-        failure_config=FailureConfig(max_failures=cfg.checkpoint.max_failures),
+        failure_config=FailureConfig(max_failures=ray_max_failures(cfg)),
         # Ray Train's own per-report, per-checkpoint and scheduling lines: shown with --verbose
         logging_config=LoggingConfig(log_level="INFO" if cfg.logging.verbose else "WARNING"),
         callbacks=callbacks or [],
@@ -277,7 +278,7 @@ def train(cfg: Config, job: Job, address: str | None = None, local: bool = False
     """Train through Ray (or, with ``local``, in local processes) and print where everything is;
     returns a summary."""
     summary = train_local(cfg, job) if local else train_on_ray(cfg, job, address)
-    print_summary(summary)
+    print_summary(summary, recorded_text(Path(summary["run_dir"]), cfg.data.global_batch_size))
     if summary.get("stopped_by"):
         signum = summary["stopped_by"]
         raise RunStopped(
@@ -288,9 +289,12 @@ def train(cfg: Config, job: Job, address: str | None = None, local: bool = False
     return summary
 
 
-def print_summary(summary: dict[str, Any]) -> None:
+def print_summary(summary: dict[str, Any], found_batch: str | None = None) -> None:
+    """``found_batch``: the batch ``loop.auto_find_batch_size`` stepped down to, if it did."""
     print(f"run directory:     {summary['run_dir']}")
     print(f"config:            {Path(summary['run_dir']) / 'config.yaml'}")
+    if found_batch:
+        print(f"batch size:        {found_batch}, found by auto_find_batch_size")
     print(f"tensorboard:       tensorboard --logdir {summary['tensorboard']}")
     print(f"latest checkpoint: {summary['latest_checkpoint']}")
     print(f"best checkpoint:   {summary['best_checkpoint']}")

@@ -25,12 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from raytpu import checkpoint as ckpt
+from raytpu.batch_finder import EXIT_BATCH_REDUCED, BatchReduced, fit_finding_batch, group_restarts
 from raytpu.checkpoint import LocalReporter
 from raytpu.config import Config, ConfigError, dump_yaml, from_dict, to_dict
 from raytpu.errors import RunFailed
 from raytpu.job import Job
 from raytpu.stopping import announce
 
+Worker = tuple[int, subprocess.Popen, Any]  # rank, process, its log file
 REPORT = "report.json"  # what a checkpoint was reported with (its score), beside meta.json
 STOP = ".stop"  # in the run folder: the driver got a signal; the workers checkpoint and stop
 
@@ -112,23 +114,46 @@ def check_local(cfg: Config) -> None:
 
 def train(cfg: Config, job: Job, data_root: Path, run_dir: Path) -> dict[str, Any]:
     """Run ``scaling.num_workers`` local processes to the end; rank 0's output is the console's,
-    the others' go to ``<run dir>/logs/rank_<N>.log``. A failed rank ends the run."""
+    the others' go to ``<run dir>/logs/rank_<N>.log``. A failed rank ends the run, unless it stepped
+    the batch down (``loop.auto_find_batch_size``): then every process starts again."""
     check_local(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     (run_dir / "logs").mkdir(exist_ok=True)
     payload = run_dir / ".local-payload.json"
     payload.write_text(json.dumps({"config": to_dict(cfg), "run_dir": str(run_dir), "data_root": str(data_root)}))
+    restarts = group_restarts(cfg)
+    with stop_file_on_signal(run_dir / STOP) as stop:
+        for attempt in range(restarts + 1):
+            processes, copiers = start_workers(cfg, run_dir, payload, fresh_logs=attempt == 0)
+            failed = wait_all(processes, copiers)
+            reduced = any(process.returncode == EXIT_BATCH_REDUCED for _, process, _ in processes)
+            if not reduced or stop.signum is not None or attempt == restarts:
+                break
+    payload.unlink()
+    if failed is not None:
+        text = (run_dir / "logs" / f"rank_{failed}.log").read_text()
+        last = (text.strip().splitlines() or ["exited without a message"])[-1]
+        raise RunFailed(f"rank {failed}: {last}", text if failed else "")
+    return summary(job, run_dir, cfg.checkpoint.num_to_keep, stop.signum)
+
+
+def start_workers(
+    cfg: Config, run_dir: Path, payload: Path, fresh_logs: bool
+) -> tuple[list[Worker], list[threading.Thread]]:
+    """One process per rank, on a fresh port (a restarted group must not meet the old one's); a
+    restarted group adds to its ranks' logs."""
     world, port = cfg.scaling.num_workers, free_port()
     # intra-op threads per process as Ray gives its workers (their CPUs; torchrun: 1), so that
     # the processes do not oversubscribe the cores; an OMP_NUM_THREADS set by the user wins
     threads = max(1, int(cfg.scaling.cpus_per_worker))
-    processes, copiers = [], []
+    processes: list[Worker] = []
+    copiers: list[threading.Thread] = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
         env.setdefault("OMP_NUM_THREADS", str(threads))
-        log = open(run_dir / "logs" / f"rank_{rank}.log", "w")  # noqa: SIM115 (closed by wait_all)
+        log = open(run_dir / "logs" / f"rank_{rank}.log", "w" if fresh_logs else "a")  # noqa: SIM115 (closed by wait_all)
         command = [sys.executable, "-m", "raytpu.local", str(payload)]
         if rank == 0:  # its output is the console's; its errors are kept too
             process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
@@ -137,17 +162,15 @@ def train(cfg: Config, job: Job, data_root: Path, run_dir: Path) -> dict[str, An
         else:
             process = subprocess.Popen(command, env=env, stdout=log, stderr=log)
         processes.append((rank, process, log))
-    with stop_file_on_signal(run_dir / STOP) as stop:
-        failed = wait_all(processes, copiers)
-    payload.unlink()
-    if failed is not None:
-        text = (run_dir / "logs" / f"rank_{failed}.log").read_text()
-        last = (text.strip().splitlines() or ["exited without a message"])[-1]
-        raise RunFailed(f"rank {failed}: {last}", text if failed else "")
-    reporter = RunFolderReporter(run_dir, cfg.checkpoint.num_to_keep, job.main_metric_mode, 0, 1)
+    return processes, copiers
+
+
+def summary(job: Job, run_dir: Path, num_to_keep: int, signum: int | None) -> dict[str, Any]:
+    """What the launcher prints at the end: the run's checkpoints and its last metrics."""
+    reporter = RunFolderReporter(run_dir, num_to_keep, job.main_metric_mode, 0, 1)
     latest, best = reporter.latest_checkpoint(), reporter.best_checkpoint()
     metrics = json.loads((latest / REPORT).read_text()) if latest and (latest / REPORT).is_file() else {}
-    stopped = stop.signum if stop.signum is not None and (run_dir / STOP).exists() else None
+    stopped = signum if signum is not None and (run_dir / STOP).exists() else None
     (run_dir / STOP).unlink(missing_ok=True)
     return {
         "stopped_by": stopped,
@@ -192,7 +215,7 @@ def tee(stream: Any, log: Any) -> None:
     log.flush()
 
 
-def wait_all(processes: list[tuple[int, subprocess.Popen, Any]], copiers: list[threading.Thread]) -> int | None:
+def wait_all(processes: list[Worker], copiers: list[threading.Thread]) -> int | None:
     """Wait for every process; at the first failure stop the others. The failed rank, or None."""
     failed = None
     pending = list(processes)
@@ -230,8 +253,17 @@ def worker_main(payload_path: str) -> None:
     runtime = make_runtime(cfg.scaling.runtime, cfg.scaling.precision, world, rank, rank, cfg.xla)
     run_dir = Path(payload["run_dir"])
     reporter = RunFolderReporter(run_dir, cfg.checkpoint.num_to_keep, job.main_metric_mode, rank, world)
+    data_root = Path(payload["data_root"])
+
+    def fit(cfg: Config) -> dict[str, float]:
+        return Trainer(cfg, job, runtime, run_dir, data_root, reporter).fit()
+
     try:
-        Trainer(cfg, job, runtime, run_dir, Path(payload["data_root"]), reporter).fit()
+        fit_finding_batch(cfg, runtime, run_dir, fit)
+    except BatchReduced as exc:  # the driver restarts every rank; the others may be mid-collective
+        print(f"raytpu: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_BATCH_REDUCED)
     finally:
         if world > 1:
             dist.destroy_process_group()

@@ -194,6 +194,7 @@ TRAINING_ARGUMENTS: dict[str, Alias] = {
     "--gradient_checkpointing": Flag(key="job.gradient_checkpointing", switch=True),
     "--fsdp": Flag(convert=fsdp),
     "--fsdp_config": Flag(convert=fsdp_config),
+    "--auto_find_batch_size": Flag(key="loop.auto_find_batch_size", switch=True),
     "--debug": Flag(convert=debug),
     "--do_train": Flag(switch=True, convert=do_train),
     "--do_eval": Flag(switch=True, convert=lambda on: []),  # raytpu evaluates at its eval steps either way

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from raytpu import checkpoint as ckpt
+from raytpu.batch_finder import fit_finding_batch
 from raytpu.checkpoint import Reporter, checkpoint_dirs
 from raytpu.config import Config, from_dict
 from raytpu.loop import Trainer
@@ -110,11 +111,14 @@ def train_worker_entry(config: dict[str, Any]) -> None:
     )
     reporter = RayReporter(run_dir, context.get_world_rank(), payload.stop_flag)
     datasets = {name: ray.train.get_dataset_shard(name) for name in payload.datasets}
-    trainer = Trainer(cfg, job, runtime, run_dir, Path(payload.data_root), reporter, datasets)
+
+    def trainer(cfg: Config) -> Trainer:
+        return Trainer(cfg, job, runtime, run_dir, Path(payload.data_root), reporter, datasets)
+
     if payload.mode == "train":
-        trainer.fit()
+        fit_finding_batch(cfg, runtime, run_dir, lambda cfg: trainer(cfg).fit())
         return
-    metrics = trainer.test()
+    metrics = trainer(cfg).test()
     with tempfile.TemporaryDirectory(prefix="raytpu-test-") as tmp:
         if runtime.is_main:
             ckpt.save_json(Path(tmp) / "test_metrics.json", metrics)

@@ -124,6 +124,7 @@ MAPPED = [
     (["--bf16=false"], "scaling.precision", "fp32"),
     (["--fp16"], "scaling.precision", "fp16"),
     (["--gradient_checkpointing"], "job.gradient_checkpointing", True),
+    (["--auto_find_batch_size"], "loop.auto_find_batch_size", True),
     (["--overwrite_output_dir"], "checkpoint.resume", False),
     (["--do_train", "--do_eval"], "run.mode", "train"),
     (["--eval_strategy", "epoch"], "loop.eval_every_steps", 0),

@@ -29,6 +29,30 @@ class ToyConfig(JobConfig):
     vary_shape: bool = False  # a new batch shape every step: forces XLA recompiles (guard test)
     step_sleep: float = 0.0  # seconds each training step waits: slow enough to be interrupted
     pid_dir: str = ""  # each training process writes an empty file named by its pid here
+    oom_above: int = -1  # raise an out-of-memory error on a micro-batch of more samples than this (-1: never)
+    oom_kind: str = "xla"  # which error: xla (a device buffer), xla_compile (the program), cuda
+    oom_rank: int = -1  # only this rank runs out of memory (-1: every rank)
+
+
+#: the out-of-memory errors a toy step raises, as each runtime raises them
+OUT_OF_MEMORY: dict[str, tuple[type[Exception], str]] = {
+    "xla": (
+        RuntimeError,
+        "Bad StatusOr access: RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 1.00G. "
+        "That was not possible. There are 500.00M free.; (0x0x0_HBM0)",
+    ),
+    "xla_compile": (
+        ValueError,
+        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+        "Used 20.50G of 15.48G hbm. Exceeded hbm capacity by 5.02G.\n\nTotal hbm usage >= 21.02G:\n"
+        "    reserved        530.00M\n    program          20.50G\n",
+    ),
+    "cuda": (
+        torch.OutOfMemoryError,
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+        "1.02 GiB is free.",
+    ),
+}
 
 
 class ToyData(Dataset):
@@ -92,11 +116,19 @@ class ToyJob(Job):
             Path(ctx.config.job.pid_dir, str(os.getpid())).touch()
         time.sleep(ctx.config.job.step_sleep)
         x, y = batch["x"], batch["y"]
+        self.maybe_out_of_memory(ctx.config.job, len(x))
         if ctx.config.job.vary_shape:
             keep = 1 + ctx.step % len(x)
             x, y = x[:keep], y[:keep]
         loss = nn.functional.mse_loss(model(x), y)
         return loss, {"loss": loss}
+
+    @staticmethod
+    def maybe_out_of_memory(cfg: ToyConfig, batch: int) -> None:
+        rank = int(os.environ.get("RANK", "0"))
+        if 0 <= cfg.oom_above < batch and cfg.oom_rank in (-1, rank):
+            error, text = OUT_OF_MEMORY[cfg.oom_kind]
+            raise error(text)
 
     def eval_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> Batch:
         error = (model(batch["x"]) - batch["y"]).pow(2).sum()
