@@ -87,7 +87,8 @@ def probe_run(warmup: int, overrides: list[str]) -> dict:
     met.clear_all()
     cfg, job = load_config(None, ["logging.progress_bar=false", "logging.eval_images=0", *overrides])
     runtime = make_runtime("xla", cfg.scaling.precision, 1, 0, 0, cfg.xla)
-    run_dir = Path(tempfile.mkdtemp(prefix="xla-probe-"))
+    # a named run (run.name) is kept in run.storage_path, so that a later run of the same name resumes it
+    run_dir = Path(cfg.run.storage_path) / cfg.run.name if cfg.run.name else Path(tempfile.mkdtemp(prefix="xla-probe-"))
     data_root = resolve_data_root(cfg, job) if cfg.data.path else run_dir
     probe = Probe(warmup)
     job_train_step = job.train_step
