@@ -17,6 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
+#: Ray Train's controller polls its workers every 2 s: a run's end, or a worker's failure, is seen up
+#: to 2 s late, on every one of the suite's Ray Train runs (read by the controller actor, so set
+#: before the session's Ray instance and the Ray heads that tests start)
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+
 
 @pytest.fixture(scope="session")
 def ray_session():

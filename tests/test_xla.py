@@ -68,12 +68,14 @@ def cdeit(root) -> list[str]:
     ]
 
 
-def probe(devices: int, *runs: list[str]) -> list[dict]:
-    """The runs in one process on ``devices`` CPU devices (3 warm-up steps each); their reports."""
+def probe(devices: int, *runs: list[str], ray_address: str = "") -> list[dict]:
+    """The runs in one process on ``devices`` CPU devices (3 warm-up steps each); their reports.
+    A run with ``data.loader=ray`` reads through the Ray instance at ``ray_address``."""
     args = ["-m", "tests.xla_probe", "3"]
     for index, overrides in enumerate(runs):
         args += (["--"] if index else []) + overrides
-    done = run_python(args, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)})
+    env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "RAY_ADDRESS": ray_address}
+    done = run_python(args, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.strip().splitlines() if line.startswith("{")]
     assert len(reports) == len(runs), done.stdout[-3000:]
@@ -91,7 +93,7 @@ LOSS_RTOL = 3e-2
 
 
 @pytest.fixture(scope="module")
-def runs(data):
+def runs(data, ray_session):
     (single,) = probe(1, mshnet(data / "mshnet", "xla.spmd=false"))
     spmd = probe(
         4,
@@ -99,6 +101,7 @@ def runs(data):
         mshnet(data / "pq", "xla.spmd=true", "data.loader=ray"),
         mshnet(data / "mshnet", "xla.spmd=true", "xla.mesh.data=1", "xla.mesh.fsdp=4"),
         cdeit(data / "cdeit"),
+        ray_address=ray_session.get_runtime_context().gcs_address,
     )
     return {"single": single, **dict(zip(SPMD_RUNS, spmd))}
 

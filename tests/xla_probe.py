@@ -6,13 +6,15 @@ each ``--``-separated group is one run, in order, in this one process (runs whos
 the same graph share XLA's in-memory compile cache); prints one JSON line per run: compiles
 and fallback counters seen after the warm-up steps, the losses, how the model was wrapped
 (FSDPv2 units; modules under torch_xla's gradient checkpointing), the run folder and the
-run's wall time. With ``data.loader=ray`` the batches come from the prepared tables through a
-local Ray instance started here, as a Ray Train worker would read its dataset shard.
+run's wall time. With ``data.loader=ray`` the batches come from the prepared tables through
+Ray (the instance at ``RAY_ADDRESS``, else a local one started here), as a Ray Train worker
+would read its dataset shard.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -38,7 +40,9 @@ def ray_datasets(cfg, job) -> dict | None:
 
     from raytpu import ingest
 
-    if not ray.is_initialized():
+    if not ray.is_initialized() and os.environ.get("RAY_ADDRESS"):  # the tests' session instance
+        ray.init(log_to_driver=False)
+    elif not ray.is_initialized():
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     return {split: data.iterator() for split, data in ingest.read_datasets(cfg, job, "train").items()}
 
