@@ -21,7 +21,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from raytpu.checkpoint import atomic_write, save_json
 from raytpu.config import Config, dump_yaml
@@ -133,13 +133,20 @@ def record(run_dir: Path, plan: BatchPlan, failed_at: int) -> None:
     )
 
 
+def load_record(run_dir: Path) -> dict[str, Any] | None:
+    """The run folder's record as written by :func:`record`; None when there is none (or it is unreadable)."""
+    try:
+        return json.loads((run_dir / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def read_record(run_dir: Path, configured: BatchPlan) -> tuple[BatchPlan, int] | None:
     """The recorded plan and the batch that ran out of memory, when the record is of this global
     batch over as many replicas and smaller than ``configured``; else None (a changed config
     searches afresh)."""
-    try:
-        found = json.loads((run_dir / RECORD).read_text())
-    except (OSError, ValueError):
+    found = load_record(run_dir)
+    if found is None:
         return None
     plan = replace(configured, grad_accum=found.get("grad_accum", 0))
     same = (found.get("global_batch_size"), found.get("replicas")) == (configured.global_batch, configured.replicas)
@@ -150,11 +157,8 @@ def read_record(run_dir: Path, configured: BatchPlan) -> tuple[BatchPlan, int] |
 
 def recorded_text(run_dir: Path, global_batch: int) -> str | None:
     """The recorded batch in words (for the run's summary), when the finder stepped down."""
-    try:
-        found = json.loads((run_dir / RECORD).read_text())
-    except (OSError, ValueError):
-        return None
-    if found.get("global_batch_size") != global_batch:
+    found = load_record(run_dir)
+    if found is None or found.get("global_batch_size") != global_batch:
         return None
     return BatchPlan(global_batch, found["replicas"], found["grad_accum"]).describe()
 

@@ -119,23 +119,20 @@ class XLARuntime(Runtime):
                 "xla.grad_ckpt checkpoints the model's repeated blocks, and this model declares none: "
                 "set xla.fsdp_layers to their class names"
             )
-        if not self.fsdp:
-            for unit in units_of(model, units) if grad_ckpt else []:
-                checkpoint_module(unit)
-            return model
-        return self._shard(model, units, grad_ckpt)
+        for unit in units_of(model, units) if grad_ckpt else []:
+            checkpoint_module(unit)  # in place: the unit's forward runs under torch_xla's checkpoint
+        return self._shard(model, units) if self.fsdp else model
 
-    def _shard(self, model: nn.Module, units: set[type[nn.Module]], grad_ckpt: bool) -> nn.Module:
-        """FSDPv2: each unit (a decoder layer) wrapped on its own, with torch_xla's gradient
-        checkpointing when asked, then the rest of the model; checkpoints keep plain names."""
+    def _shard(self, model: nn.Module, units: set[type[nn.Module]]) -> nn.Module:
+        """FSDPv2: each unit (a decoder layer) wrapped on its own, then the rest of the model;
+        checkpoints keep plain names."""
         import functools
 
-        from torch_xla.distributed.fsdp import checkpoint_module
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
         def wrap_unit(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-            wrapper = FSDPv2(checkpoint_module(module) if grad_ckpt else module, *args, **kwargs)
+            wrapper = FSDPv2(module, *args, **kwargs)
             plain_state_dict_names(wrapper)
             return wrapper
 
