@@ -79,10 +79,29 @@ def cluster_runtime(requested: str) -> str:
     """Resolve ``auto`` from the cluster's resources (never by probing devices here)."""
     if requested != "auto":
         return requested
+    resources = cluster_accelerators()
+    return pick_runtime("auto", resources["TPU"] > 0, resources["GPU"] > 0)
+
+
+def cluster_accelerators() -> dict[str, float]:
     import ray
 
     resources = ray.cluster_resources()
-    return pick_runtime("auto", resources.get("TPU", 0) > 0, resources.get("GPU", 0) > 0)
+    return {kind: resources.get(kind, 0) for kind in ("TPU", "GPU")}
+
+
+def check_sharded_workers(cfg: Config, accelerators: dict[str, float]) -> None:
+    """FSDPv2 across several xla workers needs XLA collectives between them (TPU hosts, GPUs).
+    Workers on the CPU PJRT device have none: their sharded gradients would be gathered to
+    the host for gloo, a new graph per gradient at every step, until LLVM runs out of memory."""
+    xla = cfg.xla
+    sharded = cfg.scaling.runtime == "xla" and xla.spmd and xla.mesh.fsdp != 1
+    if not sharded or cfg.scaling.num_workers == 1 or any(accelerators.values()):
+        return
+    raise ConfigError(
+        f"FSDPv2 (xla.mesh.fsdp={xla.mesh.fsdp}) over {cfg.scaling.num_workers} workers of the CPU PJRT device: "
+        "they share no XLA collectives; run scaling.num_workers=1, which drives all CPU_NUM_DEVICES devices"
+    )
 
 
 def worker_bundles(cfg: Config) -> list[preflight.Bundle]:
@@ -94,6 +113,7 @@ def check_cluster_fits(cfg: Config) -> None:
     """After connecting: the runtime resolved, a CPU left to Ray Data, and the workers checked against
     the cluster (a demand it can never meet is a one-line error, not a wait)."""
     cfg.scaling.runtime = cluster_runtime(cfg.scaling.runtime)
+    check_sharded_workers(cfg, cluster_accelerators())
     resolve_for_runtime(cfg)
     leave_cpu_for_ray_data(cfg)
     what = f"{cfg.scaling.num_workers} {cfg.scaling.runtime} worker(s)"

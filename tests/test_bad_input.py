@@ -186,8 +186,9 @@ def test_mistakes_in_files_and_paths(world, capsys, name):
         (["scaling.runtime=cuda"], "needs 2 CPU, 2 GPU but the cluster has 2 CPU"),
         (["scaling.num_workers=4", "data.global_batch_size=16"], "needs 4 CPU but the cluster has 2 CPU"),
         (["scaling.cpus_per_worker=3"], "use fewer workers (scaling.num_workers) or a smaller"),
+        (["runtime=xla", "xla.spmd=true", "xla.mesh.fsdp=-1"], "over 2 workers of the CPU PJRT device"),
     ],
-    ids=["no GPU", "too many workers", "too many CPUs per worker"],
+    ids=["no GPU", "too many workers", "too many CPUs per worker", "FSDPv2 over CPU workers"],
 )
 def test_resources_the_cluster_does_not_have(world, ray_session, capsys, overrides, expected):
     before = snapshot(world["earlier"])
@@ -197,6 +198,23 @@ def test_resources_the_cluster_does_not_have(world, ray_session, capsys, overrid
     assert_one_error_line(code, captured.out, captured.err, expected)
     assert time.monotonic() - start < 30
     assert snapshot(world["earlier"]) == before
+
+
+@pytest.mark.parametrize(
+    ("overrides", "accelerators"),
+    [
+        (["xla.mesh.fsdp=-1", "scaling.num_workers=2"], {"TPU": 8, "GPU": 0}),
+        (["xla.mesh.fsdp=-1", "scaling.num_workers=2"], {"TPU": 0, "GPU": 2}),
+        (["xla.mesh.fsdp=-1", "scaling.num_workers=1"], {"TPU": 0, "GPU": 0}),
+        (["xla.mesh.fsdp=1", "scaling.num_workers=2"], {"TPU": 0, "GPU": 0}),
+    ],
+    ids=["TPU hosts", "GPUs", "one CPU worker", "data-parallel CPU workers"],
+)
+def test_fsdp_over_several_workers_is_refused_only_without_xla_collectives(overrides, accelerators):
+    from raytpu.launcher import check_sharded_workers
+
+    cfg, _ = load_config(SMALL, ["runtime=xla", "xla.spmd=true", *overrides])
+    check_sharded_workers(cfg, accelerators)
 
 
 @pytest.mark.parametrize(
