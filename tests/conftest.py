@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -46,9 +47,43 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def run_python(args: list[str], env: dict[str, str] | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run ``python args`` from the repo root in a fresh process (XLA settings are per process)."""
+def start_python(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python args`` from the repo root in a fresh process (XLA settings are per process)."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+def finish(process: subprocess.Popen, timeout: int = 900) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def run_python(args: list[str], env: dict[str, str] | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    return finish(start_python(args, env), timeout)
+
+
+class XlaProbe:
+    """``tests.xla_probe`` (3 warm-up steps a run) with ``runs`` in one process on ``devices``
+    XLA CPU devices. It starts at once: two probes compile side by side on the machine's two
+    cores, where one alone leaves a core idle for much of its time."""
+
+    def __init__(self, devices: int, *runs: list[str], env: dict[str, str] | None = None) -> None:
+        args = ["-m", "tests.xla_probe", "3"]
+        for index, overrides in enumerate(runs):
+            args += (["--"] if index else []) + overrides
+        self.runs = len(runs)
+        self.process = start_python(args, {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), **(env or {})})
+
+    def reports(self) -> list[dict]:
+        """One report a run, once the process has ended."""
+        done = finish(self.process)
+        assert done.returncode == 0, done.stderr[-3000:]
+        reports = [json.loads(line) for line in done.stdout.strip().splitlines() if line.startswith("{")]
+        assert len(reports) == self.runs, done.stdout[-3000:]
+        return reports

@@ -19,7 +19,7 @@ from raytpu.config import load_config
 from raytpu.runtime.fsdp import plain_state_dict_names, units_of, wrapping_units
 from raytpu.runtime.xla import mesh_shape
 from raytpu.validation import resolve_for_runtime
-from tests.conftest import run_python
+from tests.conftest import XlaProbe
 
 FSDP_CONFIG = {"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": True}
 
@@ -168,16 +168,6 @@ def small_lm(data: Path) -> list[str]:
     ]
 
 
-def probe(devices: int, *runs: list[str]) -> list[dict]:
-    """The runs, in order, in one process on ``devices`` XLA CPU devices (3 warm-up steps each)."""
-    args = ["-m", "tests.xla_probe", "3"]
-    for index, overrides in enumerate(runs):
-        args += (["--"] if index else []) + overrides
-    done = run_python(args, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.strip().splitlines() if line.startswith("{")]
-
-
 @pytest.fixture(scope="module")
 def xla_runs(tmp_path_factory) -> dict[str, dict]:
     """One device for 8 steps; FSDPv2 on four for 6, then the same run again to 8: it resumes from
@@ -189,8 +179,8 @@ def xla_runs(tmp_path_factory) -> dict[str, dict]:
     lm = [*small_lm(data), "loop.ema_beta=0.9", "loop.ema_update_after=2"]
     fsdp = lm + ["xla.spmd=true", "--fsdp", "full_shard", "--fsdp_config", json.dumps(FSDP_CONFIG)]
     fsdp += [f"run.storage_path={root}", "run.name=fsdp4"]
-    fsdp4, resumed = probe(4, fsdp, [*fsdp, "loop.max_steps=8"])
-    (single,) = probe(1, [*lm, "loop.max_steps=8"])
+    sharded, one_device = XlaProbe(4, fsdp, [*fsdp, "loop.max_steps=8"]), XlaProbe(1, [*lm, "loop.max_steps=8"])
+    (fsdp4, resumed), (single,) = sharded.reports(), one_device.reports()
     return {"data": data, "single": single, "fsdp4": fsdp4, "resumed": resumed}
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from jobs.mshnet.synth import synthesize
-from tests.conftest import run_python
+from tests.conftest import XlaProbe, run_python
 
 pytestmark = pytest.mark.xla
 
@@ -68,20 +68,6 @@ def cdeit(root) -> list[str]:
     ]
 
 
-def probe(devices: int, *runs: list[str], ray_address: str = "") -> list[dict]:
-    """The runs in one process on ``devices`` CPU devices (3 warm-up steps each); their reports.
-    A run with ``data.loader=ray`` reads through the Ray instance at ``ray_address``."""
-    args = ["-m", "tests.xla_probe", "3"]
-    for index, overrides in enumerate(runs):
-        args += (["--"] if index else []) + overrides
-    env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "RAY_ADDRESS": ray_address}
-    done = run_python(args, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    reports = [json.loads(line) for line in done.stdout.strip().splitlines() if line.startswith("{")]
-    assert len(reports) == len(runs), done.stdout[-3000:]
-    return reports
-
-
 #: the 4-device runs, in one SPMD process: MSHNet data-parallel (torch and Ray Data ingest: the
 #: same step graph, compiled once), MSHNet FSDPv2, and CDEIT data-parallel with EMA
 SPMD_RUNS = ["dp4", "dp4-ray", "fsdp4", "cdeit"]
@@ -94,16 +80,18 @@ LOSS_RTOL = 3e-2
 
 @pytest.fixture(scope="module")
 def runs(data, ray_session):
-    (single,) = probe(1, mshnet(data / "mshnet", "xla.spmd=false"))
-    spmd = probe(
+    """Each run's report: the single-device probe and the 4-device one side by side; a run with
+    ``data.loader=ray`` reads through the session's Ray instance."""
+    single = XlaProbe(1, mshnet(data / "mshnet", "xla.spmd=false"))
+    spmd = XlaProbe(
         4,
         mshnet(data / "mshnet", "xla.spmd=true"),
         mshnet(data / "pq", "xla.spmd=true", "data.loader=ray"),
         mshnet(data / "mshnet", "xla.spmd=true", "xla.mesh.data=1", "xla.mesh.fsdp=4"),
         cdeit(data / "cdeit"),
-        ray_address=ray_session.get_runtime_context().gcs_address,
+        env={"RAY_ADDRESS": ray_session.get_runtime_context().gcs_address},
     )
-    return {"single": single, **dict(zip(SPMD_RUNS, spmd))}
+    return {"single": single.reports()[0], **dict(zip(SPMD_RUNS, spmd.reports()))}
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
