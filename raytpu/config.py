@@ -136,6 +136,7 @@ class LoggingConfig:
     progress_bar: bool = True
     eval_images: int = 4  # images per eval written to TensorBoard (0 = none)
     verbose: bool = False  # show Ray's own INFO lines (reports, checkpoints, scheduling) too
+    hparams: bool = True  # the config's values in TensorBoard's HPARAMS tab once training completes
 
 
 @dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from tqdm.auto import tqdm
 
 
@@ -52,6 +53,25 @@ class RunLogger:
         for key, value in texts.items():
             self.writer.add_text(key, value, step)
 
+    def config(self, config: dict[str, Any], step: int) -> None:
+        """The whole config as YAML text (tag ``config``), at each start: a resumed run, or one
+        whose batch the finder stepped down, shows at that step what it trains with from there."""
+        if self.writer is not None:
+            text = yaml.safe_dump(config, sort_keys=False)
+            self.writer.add_text("config", "    " + text.replace("\n", "\n    "), step)  # a markdown code block
+
+    def hyperparameters(self, config: dict[str, Any], metrics: list[str]) -> None:
+        """The config's single values under dotted names in the HPARAMS tab, lined up against
+        ``metrics`` (tags the run logs as scalars). Written when training completes: TensorBoard
+        keeps the first record of a run, and an attempt that fails (or is stopped) is not the one
+        whose settings produced the metrics."""
+        if self.writer is None:
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        for summary in hparams(dotted_values(config), dict.fromkeys(metrics, 0.0)):
+            self.writer.file_writer.add_summary(summary)
+
     def progress(self, step: int, postfix: dict[str, Any]) -> None:
         if self.bar is not None:
             self.bar.n = step
@@ -76,6 +96,21 @@ class RunLogger:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def dotted_values(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The single values (numbers, strings, booleans) of a nested dict under dotted keys; lists
+    become their text, empty ones and mappings with nothing in them are left out."""
+    values: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            values.update(dotted_values(value, f"{name}."))
+        elif isinstance(value, (bool, int, float, str)):
+            values[name] = value
+        elif isinstance(value, (list, tuple)) and value:
+            values[name] = str(list(value))
+    return values
 
 
 def watch_grad_norm(norm: float, step: int, high: float, low: float) -> str | None:

@@ -145,11 +145,15 @@ class Trainer:
             self.total_steps,
             self.progress.step,
         )
+        self.logger.config(to_dict(cfg), self.progress.step)
         try:
             if self.progress.step >= self.total_steps:
                 self._message(f"run already complete at step {self.progress.step}; nothing to do")
                 return self._report_final_again()
-            return self._train()
+            metrics = self._train()
+            if cfg.logging.hparams:
+                self.logger.hyperparameters(to_dict(cfg), [f"valid/{self.job.main_metric}", "train/loss"])
+            return metrics
         finally:
             self.runtime.finish()
             self.logger.close()

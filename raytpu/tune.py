@@ -82,6 +82,7 @@ def run_trial(values: dict[str, Any], base: dict[str, Any], data_root: str, runs
     cfg, job = trial_config(base, values)
     cfg.run.name = tune.get_context().get_trial_id()
     cfg.run.storage_path = runs_dir
+    cfg.logging.hparams = False  # the sweep records the searched values, early-stopped trials included
     plan = stage_run(cfg, job, run_dir(cfg), Path(data_root), cfg.run.name)
     build_trainer(cfg, plan.payload, plan.name, callbacks=[TuneReportCallback()]).fit()
 

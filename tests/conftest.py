@@ -87,3 +87,20 @@ class XlaProbe:
         reports = [json.loads(line) for line in done.stdout.strip().splitlines() if line.startswith("{")]
         assert len(reports) == self.runs, done.stdout[-3000:]
         return reports
+
+
+def tensorboard_hparams(log_dir: Path) -> tuple[dict[str, object], list[str]]:
+    """What TensorBoard's HPARAMS tab shows for the run in ``log_dir``: its values and metric tags."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    content = {
+        tag: plugin_data_pb2.HParamsPluginData.FromString(raw)
+        for tag, raw in events.PluginTagToContent("hparams").items()
+    }
+    start = content["_hparams_/session_start_info"].session_start_info.hparams
+    values = {key: getattr(value, value.WhichOneof("kind")) for key, value in start.items()}
+    metrics = [info.name.tag for info in content["_hparams_/experiment"].experiment.metric_infos]
+    return values, metrics

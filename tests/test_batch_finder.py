@@ -18,6 +18,7 @@ from raytpu.checkpoint import LocalReporter
 from raytpu.config import load_config
 from raytpu.loop import Trainer
 from raytpu.runtime import make_runtime
+from tests.conftest import tensorboard_hparams
 from tests.toy_job import OUT_OF_MEMORY
 
 XLA_RESERVE = "Resource exhausted: Attempting to reserve 3.95G at the bottom of memory. That was not possible."
@@ -141,6 +142,8 @@ def test_one_worker_steps_down_in_process_to_a_batch_that_fits(tmp_path, capsys,
     assert (meta["step"], saved["loop"]["grad_accum"], saved["data"]["global_batch_size"]) == (8, 4, 8)
     assert "grad_accum: 4" in (tmp_path / "config.yaml").read_text()
     assert json.loads((tmp_path / bf.RECORD).read_text())["per_device"] == 2
+    values, _ = tensorboard_hparams(tmp_path / "tensorboard")  # the attempt that trained, not the first
+    assert (values["loop.grad_accum"], values["data.global_batch_size"]) == (4, 8)
 
 
 def test_a_resumed_run_starts_at_the_recorded_batch(tmp_path, capsys):

@@ -13,6 +13,7 @@ from raytpu.checkpoint import LocalReporter
 from raytpu.config import ConfigError, load_config
 from raytpu.loop import NonFiniteLossError, Trainer
 from raytpu.runtime import make_runtime
+from tests.conftest import tensorboard_hparams
 from tests.toy_job import ToyJob
 
 BASE = [
@@ -108,14 +109,19 @@ def test_incomplete_checkpoint_is_never_loaded(tmp_path):
         ckpt.load_model_weights(broken)
 
 
-def test_tensorboard_scalars_are_written(tmp_path):
+def test_tensorboard_has_the_scalars_the_config_and_its_hparams(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run(tmp_path, "loop.epochs=1")
+    run(tmp_path, "loop.epochs=1", "optim.lr=0.04")
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/grad_norm", "perf/samples_per_s", "valid/mse"} <= tags
+    config = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "    optim:\n      name: adamw\n      lr: 0.04\n" in config
+    values, metrics = tensorboard_hparams(tmp_path / "tensorboard")
+    assert (values["optim.lr"], values["job.name"], values["data.global_batch_size"]) == (0.04, "tests.toy_job", 8)
+    assert metrics == ["valid/mse", "train/loss"]
 
 
 def test_gradient_clipping_clips_and_reports_the_pre_clip_norm():
