@@ -103,7 +103,7 @@ def cluster_warnings(cfg: Config) -> list[str]:
     if not _is_absolute(cfg.run.storage_path):
         notes.append(
             f"run.storage_path {cfg.run.storage_path!r} is relative: on the cluster it is inside the job's "
-            "temporary working directory; pass run.storage_path=gs://BUCKET/PATH or a folder every node shares"
+            "temporary working directory; pass a folder every node mounts (NFS, or a bucket through Cloud Storage FUSE)"
         )
     if cfg.data.path and not _is_absolute(cfg.data.path):
         notes.append(

@@ -121,6 +121,11 @@ CASES = {  # name: (argv after `raytpu`, text the error line must contain)
     ),
     "nothing listens at the address": (["train", SMALL, "--address", "127.0.0.1:1"], "no Ray cluster answers at"),
     "dashboard address for train": (["train", SMALL, "--address", "http://127.0.0.1:8265"], "dashboard address"),
+    "storage URI": (["train", SMALL, "run.storage_path=gs://b/runs"], "runs are written to a folder, not a URI"),
+    "submit to a storage URI": (
+        ["submit", SMALL, "--output_dir", "gs://b/runs", "--address", "http://127.0.0.1:8265"],
+        "run.storage_path='gs://b/runs': runs are written to a folder",
+    ),
 }
 
 

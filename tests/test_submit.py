@@ -107,10 +107,10 @@ def test_submission_id_is_readable_and_safe() -> None:
 
 
 def test_follow_up_names_logs_and_tensorboard() -> None:
-    cfg, _ = load_config("jobs/mshnet/small.yaml", ["run.storage_path=gs://b/runs"])
+    cfg, _ = load_config("jobs/mshnet/small.yaml", ["run.storage_path=/mnt/gcs/runs"])
     lines = follow_up("http://h:8265", "raytpu-x", cfg)
     assert "ray job logs --address http://h:8265 --follow raytpu-x" in lines[1]
-    assert "tensorboard --logdir gs://b/runs/mshnet-small/tensorboard" in lines[4]
+    assert "tensorboard --logdir /mnt/gcs/runs/mshnet-small/tensorboard" in lines[4]
 
 
 def test_cluster_warnings_for_relative_paths() -> None:
