@@ -22,7 +22,7 @@ from raytpu.loop import Trainer
 from raytpu.reports import Cadence
 from raytpu.runtime import make_runtime
 from raytpu.validation import apply_per_device_batch
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_python
 
 SMALL = str(ROOT / "jobs" / "causal_lm" / "small.yaml")
 
@@ -341,6 +341,49 @@ def test_export_loads_with_from_pretrained_and_generates(trained, data, tmp_path
     ours.load_state_dict(ckpt.load_model_weights(best))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ours.eval()(ids).logits)
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("attention", ["causal", "sdpa"])
+def test_the_eval_sample_is_transformers_greedy_generate(data, attention):
+    from jobs.causal_lm import attention_implementation, generate
+
+    model, tokenizer = tiny_llama(), corpus.load_tokenizer(data)
+    model.set_attn_implementation(attention_implementation(attention))
+    ids = tokenizer("def ", return_tensors="pt")["input_ids"]
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert generate(model, tokenizer, "def ", 12) == tokenizer.decode(expected[0])
+
+
+@pytest.mark.xla
+def test_the_eval_sample_compiles_a_fixed_number_of_graphs_on_xla(data):
+    """As many graphs for 20 tokens as for 4 (two: measured), none when an evaluation samples again;
+    Transformers' generate compiled 21 graphs for 8 tokens here."""
+    code = f"""
+import json, torch_xla, torch_xla.debug.metrics as met
+from jobs.causal_lm import corpus, generate
+from tests.test_causal_lm import tiny_llama
+model, tokenizer = tiny_llama().to(torch_xla.device()), corpus.load_tokenizer({str(data)!r})
+compiles = lambda: (met.metric_data("CompileTime") or [0])[0]
+counts = []
+for tokens in (4, 20, 20):
+    before = compiles()
+    generate(model, tokenizer, "def ", tokens)
+    counts.append(compiles() - before)
+print(json.dumps(counts))
+"""
+    done = run_python(["-c", code], env={"PJRT_DEVICE": "CPU"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    short, long, again = json.loads(done.stdout.strip().splitlines()[-1])
+    assert short == long <= 2 and again == 0, (short, long, again)
 
 
 def test_export_without_a_checkpoint_is_a_one_line_error(capsys):

@@ -252,13 +252,20 @@ TABLE_ROW = 128
 
 @torch.no_grad()
 def generate(model: nn.Module, tokenizer: Any, prompt: str, tokens: int) -> str:
+    """Greedy continuation of ``prompt`` in one fixed shape: the prompt and ``tokens`` pad slots in
+    one row, the whole row through the model at each position (causal attention: a position sees
+    none after it), the next token read back and written into its slot. Every step is the same
+    graph on XLA, compiled once for all evaluations, where Transformers' ``generate`` grows its
+    inputs by a token a step and compiles two to three graphs per token."""
     device = next(model.parameters()).device
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
-    mask = torch.ones_like(ids)
-    out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
-    )
-    return tokenizer.decode(out[0].cpu().tolist())
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    row = torch.full((1, len(prompt_ids) + tokens), tokenizer.pad_token_id, dtype=torch.long)
+    row[0, : len(prompt_ids)] = torch.tensor(prompt_ids)
+    for position in range(len(prompt_ids) - 1, row.shape[1] - 1):
+        logits = model(input_ids=row.to(device), use_cache=False).logits
+        at = torch.tensor([position]).to(device)  # an input of the graph, not a constant in it
+        row[0, position + 1] = logits.index_select(1, at).argmax(-1).cpu()
+    return tokenizer.decode(row[0].tolist())
 
 
 JOB = CausalLMJob()
