@@ -136,14 +136,14 @@ def main(args: Any, address: str | None) -> int:
     """``raytpu launch``: run the script on Ray Train workers; the script's exit status."""
     from raytpu import preflight
     from raytpu.cluster import check_reachable, connect
-    from raytpu.launcher import cluster_runtime, worker_bundles
+    from raytpu.launcher import cluster_accelerators, cluster_runtime, worker_bundles
 
     settings = settings_from(args)
     cfg = settings.as_config()
     preflight.check_storage(cfg)
     check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
     connect(address, verbose=settings.verbose)
-    cfg.scaling.runtime = cluster_runtime(cfg.scaling.runtime)
+    cfg.scaling.runtime = cluster_runtime(cfg.scaling.runtime, cluster_accelerators())
     preflight.check_fit(worker_bundles(cfg), f"{cfg.scaling.num_workers} {cfg.scaling.runtime} process(es)")
     precision, warning = resolve_precision(cfg.scaling.runtime, PRECISIONS[settings.mixed_precision])
     if warning:

@@ -75,19 +75,16 @@ def run_dir(cfg: Config) -> Path:
 
 
 # --------------------------------------------------------------------- ray
-def cluster_runtime(requested: str) -> str:
-    """Resolve ``auto`` from the cluster's resources (never by probing devices here)."""
-    if requested != "auto":
-        return requested
-    resources = cluster_accelerators()
-    return pick_runtime("auto", resources["TPU"] > 0, resources["GPU"] > 0)
-
-
 def cluster_accelerators() -> dict[str, float]:
     import ray
 
     resources = ray.cluster_resources()
     return {kind: resources.get(kind, 0) for kind in ("TPU", "GPU")}
+
+
+def cluster_runtime(requested: str, accelerators: dict[str, float]) -> str:
+    """Resolve ``auto`` from the cluster's :func:`cluster_accelerators` (never by probing devices here)."""
+    return pick_runtime(requested, accelerators["TPU"] > 0, accelerators["GPU"] > 0)
 
 
 def check_sharded_workers(cfg: Config, accelerators: dict[str, float]) -> None:
@@ -112,8 +109,9 @@ def worker_bundles(cfg: Config) -> list[preflight.Bundle]:
 def check_cluster_fits(cfg: Config) -> None:
     """After connecting: the runtime resolved, a CPU left to Ray Data, and the workers checked against
     the cluster (a demand it can never meet is a one-line error, not a wait)."""
-    cfg.scaling.runtime = cluster_runtime(cfg.scaling.runtime)
-    check_sharded_workers(cfg, cluster_accelerators())
+    accelerators = cluster_accelerators()
+    cfg.scaling.runtime = cluster_runtime(cfg.scaling.runtime, accelerators)
+    check_sharded_workers(cfg, accelerators)
     resolve_for_runtime(cfg)
     leave_cpu_for_ray_data(cfg)
     what = f"{cfg.scaling.num_workers} {cfg.scaling.runtime} worker(s)"

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from tqdm.auto import tqdm
 
 
@@ -53,11 +52,10 @@ class RunLogger:
         for key, value in texts.items():
             self.writer.add_text(key, value, step)
 
-    def config(self, config: dict[str, Any], step: int) -> None:
-        """The whole config as YAML text (tag ``config``), at each start: a resumed run, or one
+    def config(self, text: str, step: int) -> None:
+        """The whole config as YAML ``text`` (tag ``config``), at each start: a resumed run, or one
         whose batch the finder stepped down, shows at that step what it trains with from there."""
         if self.writer is not None:
-            text = yaml.safe_dump(config, sort_keys=False)
             self.writer.add_text("config", "    " + text.replace("\n", "\n    "), step)  # a markdown code block
 
     def hyperparameters(self, config: dict[str, Any], metrics: list[str]) -> None:

@@ -24,7 +24,7 @@ import torch
 from raytpu import checkpoint as ckpt
 from raytpu.callbacks import Callback
 from raytpu.checkpoint import Checkpointer, Progress, Reporter, TrainState
-from raytpu.config import Config, to_dict
+from raytpu.config import Config, dump_yaml, to_dict
 from raytpu.data import WorkerData, make_worker_data
 from raytpu.flops import perf_scalars
 from raytpu.job import Batch, Job, StepContext
@@ -145,7 +145,7 @@ class Trainer:
             self.total_steps,
             self.progress.step,
         )
-        self.logger.config(to_dict(cfg), self.progress.step)
+        self.logger.config(dump_yaml(cfg), self.progress.step)
         try:
             if self.progress.step >= self.total_steps:
                 self._message(f"run already complete at step {self.progress.step}; nothing to do")

@@ -26,8 +26,20 @@ CHECKED = ("CPU", "GPU", "TPU")
 # ---------------------------------------------------------------------- files
 def check_storage(cfg: Config) -> None:
     storage = cfg.run.storage_path
-    if "://" not in storage and Path(storage).exists() and not Path(storage).is_dir():
+    check_storage_is_a_folder(storage)
+    if Path(storage).exists() and not Path(storage).is_dir():
         raise ConfigError(f"run.storage_path {storage!r} is a file; runs are written to a folder: pass another path")
+
+
+def check_storage_is_a_folder(storage: str) -> None:
+    """Runs are folders of plain files (config, TensorBoard events, checkpoints, records) that the
+    driver and the workers write with local file calls: a URI would become a local folder named
+    ``gs:``. A bucket works mounted as a folder (Cloud Storage FUSE), like any shared disk."""
+    if "://" in storage:
+        raise ConfigError(
+            f"run.storage_path={storage!r}: runs are written to a folder, not a URI; pass a folder path "
+            "(on a cluster one every node mounts: NFS, or the bucket through Cloud Storage FUSE, e.g. /mnt/gcs/runs)"
+        )
 
 
 def check_weights(cfg: Config) -> None:

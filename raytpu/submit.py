@@ -27,6 +27,7 @@ from typing import Any
 
 from raytpu.args import extract
 from raytpu.config import Config, load_config
+from raytpu.preflight import check_storage_is_a_folder
 
 # Never uploaded with the working directory (gitignore syntax, relative to it): data sets,
 # run outputs, environments and caches. Ray refuses working directories over 500 MiB.
@@ -201,6 +202,7 @@ def main(config: str, overrides: list[str]) -> int:
 
         cfg.run.name = run_name(cfg, config)
         command = entrypoint(config, overrides)
+    check_storage_is_a_folder(cfg.run.storage_path)  # the cluster's paths are checked there, not here
     url = dashboard_url(address)
     client = connect(url)
     for note in cluster_warnings(cfg):

@@ -99,24 +99,12 @@ def validate(cfg: Config, job: Job | None = None) -> None:
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {betas}")
     for name, amount in cfg.scaling.resources_per_worker.items():
         check_number(f"scaling.resources_per_worker.{name}", amount, (0, True))
-    check_storage_is_a_folder(cfg.run.storage_path)
     if cfg.xla.mesh.data == 0 or cfg.xla.mesh.fsdp == 0 or min(cfg.xla.mesh.data, cfg.xla.mesh.fsdp) < -1:
         raise ConfigError("xla.mesh.data and xla.mesh.fsdp must be at least 1, or -1 for the rest of the devices")
     if not cfg.data.per_device_train_batch_size:  # else checked once the runtime is known
         per_worker_batch(cfg.data.global_batch_size, cfg.scaling.num_workers, cfg.loop.grad_accum)
     if job is not None:
         job.check_config(cfg)
-
-
-def check_storage_is_a_folder(storage: str) -> None:
-    """Runs are folders of plain files (config, TensorBoard events, checkpoints, records) that the
-    driver and the workers write with local file calls: a URI would become a local folder named
-    ``gs:``. A bucket works mounted as a folder (Cloud Storage FUSE), like any shared disk."""
-    if "://" in storage:
-        raise ConfigError(
-            f"run.storage_path={storage!r}: runs are written to a folder, not a URI; pass a folder path "
-            "(on a cluster one every node mounts: NFS, or the bucket through Cloud Storage FUSE, e.g. /mnt/gcs/runs)"
-        )
 
 
 def check_number(key: str, value: Any, lower: tuple[float, bool], upper: tuple[float, bool] | None = None) -> None:

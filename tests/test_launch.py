@@ -47,6 +47,7 @@ def final_weights(results: Path) -> dict[str, torch.Tensor]:
         (["launch", "--num_processes", "two", EXAMPLE], "argument --num_processes/--num-processes: invalid int"),
         (["launch"], "the following arguments are required: script"),
         (["launch", "--config", "nope.yaml", EXAMPLE], "--config 'nope.yaml' not found"),
+        (["launch", "--storage-path", "gs://b/runs", EXAMPLE], "runs are written to a folder, not a URI"),
     ],
 )
 def test_bad_launches_are_one_line(argv, message, capsys):
