@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import uuid
@@ -160,11 +161,12 @@ def run(settings: LaunchSettings, cfg: Config, mixed_precision: str) -> int:
     import ray
     from ray.train import TrainingFailedError
 
-    from raytpu.launched import LaunchState
+    from raytpu.launched import LaunchState, last_state_number
 
-    state_name = f"raytpu-launch-{uuid.uuid4().hex[:12]}"
-    state = ray.remote(num_cpus=0)(LaunchState).options(name=state_name).remote()
     run_dir = Path(cfg.run.storage_path).resolve() / cfg.run.name
+    state_name = f"raytpu-launch-{uuid.uuid4().hex[:12]}"
+    last = last_state_number(checkpoint_names(run_dir))
+    state = ray.remote(num_cpus=0)(LaunchState).options(name=state_name).remote(last)
     payload = {
         "script": str(Path(settings.script).resolve()),
         "script_args": settings.script_args,
@@ -195,6 +197,20 @@ def run(settings: LaunchSettings, cfg: Config, mixed_precision: str) -> int:
         raise RunFailed(f"rank {rank}: {last}", details)
     print(f"raytpu: rank {rank} exited with status {code}", file=sys.stderr, flush=True)
     return code
+
+
+def checkpoint_names(run_dir: Path) -> list[str]:
+    """The checkpoint folders a run already has: in its folder, and in the list Ray Train keeps
+    of them (``checkpoint_manager_snapshot.json``), which may name one a crash left unwritten."""
+    names = [path.name for path in run_dir.iterdir()] if run_dir.is_dir() else []
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    if snapshot.is_file():
+        try:
+            results = json.loads(snapshot.read_text()).get("checkpoint_results", [])
+            names += [str(result.get("checkpoint_dir_name", "")) for result in results]
+        except (OSError, ValueError, AttributeError):
+            pass  # an unreadable snapshot: Ray Train itself reports it when the run starts
+    return names
 
 
 def trainer(cfg: Config, payload: dict[str, Any], verbose: bool) -> Any:

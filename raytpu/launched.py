@@ -23,13 +23,14 @@ checkpoint as ``RAYTPU_RESUME_FROM`` and makes ``accelerator.load_state()`` read
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import sys
 import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +52,30 @@ def report(metrics: dict[str, Any]) -> None:
     ray.get_actor(name).publish.remote("metrics", {k: float(v) for k, v in metrics.items()})
 
 
+#: the name of a launched run's checkpoint folders: ``state_000001``, ... counted over every attempt
+#: and every rerun of the run (a rerun continues after the highest number the run folder holds)
+STATE_DIR = re.compile(r"^state_(\d{6,})$")
+
+
+def state_dir_name(number: int) -> str:
+    return f"state_{number:06d}"
+
+
+def last_state_number(names: Iterable[str]) -> int:
+    """The highest ``state_N`` among ``names`` (0 when there is none)."""
+    return max((int(match.group(1)) for match in map(STATE_DIR.match, names) if match), default=0)
+
+
 class LaunchState:
     """The Ray actor of one launched run: what rank 0 published (checkpoints and metrics), which
-    ranks finished, and the first failure of the script (rank, exit status, traceback)."""
+    ranks finished, and the first failure of the script (rank, exit status, traceback).
 
-    def __init__(self) -> None:
+    ``last_checkpoint``: the highest checkpoint number the run folder already holds (a rerun of
+    the same ``--name``); the checkpoints published now are numbered after it, so that their
+    folders never take the name of one the run already has."""
+
+    def __init__(self, last_checkpoint: int = 0) -> None:
+        self.checkpoints = last_checkpoint
         self.entries: list[tuple[str, Any]] = []
         self.read = 0  # entries before this index were polled by a worker: they never change again
         self.finished: set[int] = set()
@@ -77,6 +97,9 @@ class LaunchState:
         if kind == "metrics" and last >= self.read and self.entries[last][0] == "metrics":
             self.entries[last] = ("metrics", {**self.entries[last][1], **value})
             return
+        if kind == "checkpoint":
+            self.checkpoints += 1
+            value = (value, state_dir_name(self.checkpoints))
         self.entries.append((kind, value))
 
     def finish(self, rank: int) -> None:
@@ -262,10 +285,9 @@ def report_published(state: Any, rank: int, world: int, first: int) -> None:
                 metrics = {**metrics, **value}
                 ray.train.report({**metrics, "published": done})
                 continue
-            checkpoint = ray.train.Checkpoint.from_directory(value) if rank == 0 else None
-            ray.train.report(
-                {**metrics, "published": done}, checkpoint=checkpoint, checkpoint_dir_name=f"state_{done:06d}"
-            )
+            directory, name = value
+            checkpoint = ray.train.Checkpoint.from_directory(directory) if rank == 0 else None
+            ray.train.report({**metrics, "published": done}, checkpoint=checkpoint, checkpoint_dir_name=name)
         if final:
             return
         time.sleep(0.2)

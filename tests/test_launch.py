@@ -130,7 +130,26 @@ def test_metrics_logged_between_polls_become_one_report_and_polled_entries_never
     state.publish("metrics", {"acc": 0.5})
     slow, _ = state.poll(0, 2)  # the other one only now
     assert fast == [("metrics", {"loss": 2.0, "m0": 1.0, "m1": 1.0, "m2": 1.0})] == slow[:1]
-    assert slow[1:] == [("metrics", {"loss": 9.0}), ("checkpoint", "/state_1"), ("metrics", {"loss": 10.0, "acc": 0.5})]
+    checkpoint = ("checkpoint", ("/state_1", "state_000001"))
+    assert slow[1:] == [("metrics", {"loss": 9.0}), checkpoint, ("metrics", {"loss": 10.0, "acc": 0.5})]
+
+
+def test_checkpoints_published_in_a_rerun_are_numbered_after_the_run_s_own():
+    """A rerun of the same --name numbers its checkpoints after the highest one of the run (its
+    folder, or Ray's list of it): a name taken twice would let retention delete the old one."""
+    from raytpu.launched import LaunchState, last_state_number
+
+    names = ["logs", "state_000002", "state_000007", "checkpoint_manager_snapshot.json", "state_x"]
+    assert last_state_number(names) == 7 and last_state_number(["logs"]) == 0
+    state = LaunchState(last_checkpoint=7)
+    state.publish("checkpoint", "/out/a")
+    state.publish("metrics", {"loss": 1.0})
+    state.publish("checkpoint", "/out/b")
+    entries, _ = state.poll(0, 1)
+    assert [value for kind, value in entries if kind == "checkpoint"] == [
+        ("/out/a", "state_000008"),
+        ("/out/b", "state_000009"),
+    ]
 
 
 # ------------------------------------------------------------------ on Ray
@@ -160,7 +179,10 @@ def test_the_example_on_two_workers_equals_one_process_and_its_states_are_ray_ch
         timeout=300,
     )
     assert single.returncode == 0, single.stderr[-3000:]
-    code = launch(tmp_path, "example", "--num_processes", "2", EXAMPLE, *common, "--results-dir", str(tmp_path / "two"))
+    keep = tmp_path / "keep.yaml"  # every state kept, to see each one's name
+    keep.write_text("checkpoint: {num_to_keep: 10}\n")
+    argv = ["--config", str(keep), "--num_processes", "2", EXAMPLE, *common, "--results-dir", str(tmp_path / "two")]
+    code = launch(tmp_path, "example", *argv)
     logs = [log_of(tmp_path, "example", rank) for rank in (0, 1)]
     assert code == 0, logs[0][-3000:]
     assert "DistributedType.MULTI_CPU, 2 process(es)" in logs[0]
@@ -170,8 +192,30 @@ def test_the_example_on_two_workers_equals_one_process_and_its_states_are_ray_ch
     one, two = final_weights(tmp_path / "single"), final_weights(tmp_path / "two")
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
-    reported = sorted(p.name for p in (tmp_path / "runs" / "example").iterdir() if p.name.startswith("state_"))
-    assert reported and all((tmp_path / "runs" / "example" / n / "model.safetensors").is_file() for n in reported)
+    run_dir = tmp_path / "runs" / "example"
+    first = states_of(run_dir)
+    assert first == [f"state_{n:06d}" for n in (1, 2, 3, 4)], first  # 64 steps, a state every 16
+    assert all((run_dir / name / "model.safetensors").is_file() for name in first)
+    assert snapshot_names(run_dir) == first
+
+    # the same --name again, one epoch further: it resumes from the newest state, and its states
+    # are numbered after the first run's, which are all still there
+    more = ["--epochs", "3", "--global-batch-size", "32", "--results-dir", str(tmp_path / "two")]
+    code = launch(tmp_path, "example", "--config", str(keep), "--num_processes", "2", EXAMPLE, *more)
+    log = log_of(tmp_path, "example")
+    assert code == 0, log[-3000:]
+    assert "resumed at step 64" in log, log[-2000:]
+    assert states_of(run_dir) == snapshot_names(run_dir) == [f"state_{n:06d}" for n in range(1, 7)]
+
+
+def states_of(run_dir: Path) -> list[str]:
+    return sorted(path.name for path in run_dir.iterdir() if path.name.startswith("state_"))
+
+
+def snapshot_names(run_dir: Path) -> list[str]:
+    """The checkpoints Ray Train's list of the run names (what it resumes from and prunes)."""
+    snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    return sorted(result["checkpoint_dir_name"] for result in snapshot["checkpoint_results"])
 
 
 @pytest.mark.integration
