@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loop_overhead import raytpu_loop, side_by_side  # noqa: E402
 from raytpu.config import load_config  # noqa: E402
-from raytpu.optim import build_optimizer  # noqa: E402
+from raytpu.worker.optim import build_optimizer  # noqa: E402
 
 CONFIG = "jobs/causal_lm/small.yaml"
 

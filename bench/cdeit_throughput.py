@@ -64,7 +64,7 @@ def main() -> None:
         rate = measure(args.child, args.data, args.warmup, args.steps, args.batch)
         print(json.dumps({"runtime": args.child, "samples_per_s": rate}))
         return
-    from jobs.cdeit.synth import synthesize
+    from raytpu.jobs.cdeit.synth import synthesize
 
     data_dir = Path(tempfile.mkdtemp(prefix="bench-cdeit-")) / "cdeit"
     synthesize(data_dir, n_train=128, n_valid=16, n_test=16, size=32, seed=0)

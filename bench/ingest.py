@@ -3,7 +3,7 @@
 MSHNet small data (synthetic, made here), one worker's share of the small
 config's global batch. For the torch DataLoader path (``data.loader=torch``) and
 the Ray Data path (``data.loader=ray``, parquet from ``raytpu data prepare``),
-both built by ``raytpu.data.make_worker_data`` exactly as in training, measured side by side:
+both built by ``raytpu.worker.data.make_worker_data`` exactly as in training, measured side by side:
 
 * delivery: batches/s when the worker only iterates its batches;
 * consumption: steps/s of the training step (forward, backward, optimizer) on a
@@ -34,19 +34,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raytpu import ingest  # noqa: E402
 from raytpu.config import load_config  # noqa: E402
-from raytpu.data import make_worker_data  # noqa: E402
+from raytpu.driver.ray_trainer import materialize_train, read_datasets  # noqa: E402
 from raytpu.job import StepContext  # noqa: E402
-from raytpu.optim import build_optimizer  # noqa: E402
 from raytpu.runtime import make_runtime  # noqa: E402
+from raytpu.storage import tables as ingest  # noqa: E402
+from raytpu.worker.data import make_worker_data  # noqa: E402
+from raytpu.worker.optim import build_optimizer  # noqa: E402
 
 CONFIG = "jobs/mshnet/small.yaml"
 
 
 @dataclass
 class Worker:
-    """One worker of the small config: its data (through ``raytpu.data``), model and optimizer."""
+    """One worker of the small config: its data (through ``raytpu.worker.data``), model and optimizer."""
 
     cfg: Any
     job: Any
@@ -66,7 +67,7 @@ def worker_for(loader: str, data: Path, parquet: Path, materialize_mb: float) ->
     cfg, job = load_config(CONFIG, overrides)
     datasets = None
     if loader == "ray":
-        datasets = {k: v.iterator() for k, v in ingest.read_datasets(cfg, job, "train").items()}
+        datasets = {k: v.iterator() for k, v in read_datasets(cfg, job, "train").items()}
     runtime = make_runtime("cpu", "fp32", 1, 0, 0)
     model = job.build_model(cfg)
     worker_data = make_worker_data(cfg, job, runtime, data, datasets)
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
         rows[loader] = (delivered, consumed, stall)
         rates = f"delivers {delivered:8.1f} batches/s  step consumes {consumed:6.1f} steps/s"
         print(f"{loader:>5}: {rates}  stall {stall:.4f}", flush=True)
-    train = "materialized" if ingest.materialize_train(worker.cfg, worker.data.prepared, "train") else "streamed"
+    train = "materialized" if materialize_train(worker.cfg, worker.data.prepared, "train") else "streamed"
     ray.shutdown()
     batch, epoch = worker.cfg.data.global_batch_size, worker.data.batches_per_epoch()
     print(f"batch={batch} per worker, {epoch} steps an epoch, steps={args.steps}, epochs={args.epochs}, ", end="")

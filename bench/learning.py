@@ -61,12 +61,12 @@ def baselines(job: str, overrides: list[str]) -> dict:
     test = job_module.build_dataset(cfg, "test", root)
     items = [test[i] for i in range(len(test))]
     if job == "mshnet":
-        from jobs.mshnet import metrics
+        from raytpu.jobs.mshnet import metrics
 
         masks = torch.stack([item["mask"] for item in items])
         totals = metrics.batch_stats(torch.full_like(masks, -20.0), masks, cfg.job.legacy_fa)
         return {f"background/{k}": v for k, v in metrics.finish(totals).items()}
-    from jobs.cdeit import reconstruction_metrics
+    from raytpu.jobs.cdeit import reconstruction_metrics
 
     truth = torch.stack([item["x"] for item in items])
     tikhonov = torch.stack([item["tr"] for item in items])

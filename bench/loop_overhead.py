@@ -21,13 +21,13 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raytpu.callbacks import Callback  # noqa: E402
-from raytpu.checkpoint import LocalReporter  # noqa: E402
 from raytpu.config import load_config  # noqa: E402
 from raytpu.job import StepContext  # noqa: E402
-from raytpu.loop import Trainer  # noqa: E402
-from raytpu.optim import build_optimizer  # noqa: E402
 from raytpu.runtime import make_runtime  # noqa: E402
+from raytpu.worker.callbacks import Callback  # noqa: E402
+from raytpu.worker.loop import Trainer  # noqa: E402
+from raytpu.worker.optim import build_optimizer  # noqa: E402
+from raytpu.worker.reporting import FolderReporter  # noqa: E402
 
 CONFIGS = {"mshnet": "jobs/mshnet/small.yaml", "cdeit": "jobs/cdeit/small.yaml"}
 
@@ -87,7 +87,7 @@ def raytpu_loop(cfg, job, data_root: Path, warmup: int, steps: int, runtime: str
     run_dir = Path(tempfile.mkdtemp(prefix="bench-loop-"))
     rt = make_runtime(runtime, "fp32", 1, 0, 0, cfg.xla)
     timer = StepTimer()
-    Trainer(cfg, job, rt, run_dir, data_root, LocalReporter(run_dir), callbacks=[timer]).fit()
+    Trainer(cfg, job, rt, run_dir, data_root, FolderReporter(run_dir), callbacks=[timer]).fit()
     measured = [timer.seconds[step] for step in range(warmup + 1, warmup + steps + 1)]
     return steps * cfg.data.global_batch_size / sum(measured)
 

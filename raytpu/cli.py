@@ -12,10 +12,10 @@ import os
 import sys
 from pathlib import Path
 
-from raytpu.args import ConfigError, Parser, extract, parse_options, take_flag
 from raytpu.config import load_config
+from raytpu.config.args import ConfigError, Parser, extract, parse_options, take_flag
 from raytpu.errors import RunFailed, RunStopped
-from raytpu.job import load_job
+from raytpu.job import HasStatistics, Synthesizes, load_job
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray instance)")
         cmd.add_argument("--checkpoint", help="checkpoint dir or weights file (test; or initial weights for train)")
         if name == "train":
-            cmd.add_argument("--local", action="store_true", help="run in local processes without Ray (see README)")
+            cmd.add_argument("--local", action="store_true", help="run in local processes, without Ray")
         cmd.add_argument("--verbose", action="store_true", help="show Ray's own log lines too")
         cmd.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides and seed-script flags")
 
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_launch_parser(sub: argparse._SubParsersAction) -> None:
-    from raytpu.launch import LAUNCH_TEXT, add_launch_arguments
+    from raytpu.compat.launch import LAUNCH_TEXT, add_launch_arguments
 
     add_launch_arguments(sub.add_parser("launch", help=LAUNCH_TEXT, description=LAUNCH_TEXT))
 
@@ -117,19 +117,19 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
         return export_command(args)
     if args.command == "launch":
-        from raytpu import launch
+        from raytpu.compat import launch
 
         return launch.main(args, args.address)
     if args.command == "tune":
-        from raytpu import tune
+        from raytpu.driver import tune
 
         return tune.main(args.config, list(args.overrides))
     if args.command == "submit":
-        from raytpu import submit
+        from raytpu.driver import submit
 
         return submit.main(args.config, list(args.overrides))
     if args.command == "doctor":
-        from raytpu import doctor
+        from raytpu.driver import doctor
 
         options = (["--json"] if args.json else []) + (["--probe-xla"] if args.probe_xla else [])
         options += (["--address", args.address] if args.address else []) + (
@@ -140,33 +140,29 @@ def dispatch(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from raytpu import launcher
+    from raytpu.driver import runs
 
     switches = ["--local", "--verbose"] if args.command == "train" else ["--verbose"]
     overrides, found = extract(list(args.overrides), valued=["--address", "--checkpoint"], switches=switches)
     if args.verbose or "--verbose" in found:
         overrides.append("logging.verbose=true")
     local = getattr(args, "local", False) or "--local" in found
-    args.address = found.get("--address", [args.address])[0]
-    args.checkpoint = found.get("--checkpoint", [args.checkpoint])[0]
-    if args.checkpoint:
-        overrides.append(f"checkpoint.weights={args.checkpoint}")
+    address = found.get("--address", [args.address])[0]
+    checkpoint = found.get("--checkpoint", [args.checkpoint])[0]
+    if checkpoint:
+        overrides.append(f"checkpoint.weights={checkpoint}")
     if args.command == "test":
         overrides.append("run.mode=test")
     cfg, job = load_config(args.config, overrides)
-    cfg.run.name = launcher.run_name(cfg, args.config)
     if cfg.run.mode == "test":
-        metrics = launcher.test(cfg, job, args.address)
-        print(json.dumps(metrics), flush=True)
+        print(json.dumps(runs.test(cfg, job, address)), flush=True)
         return 0
-    if local and args.address:
-        raise ConfigError("--local runs without Ray: drop --address (or drop --local to use the cluster)")
-    launcher.train(cfg, job, args.address, local=local)
+    runs.train(cfg, job, address, local=local)
     return 0
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from raytpu.export import export
+    from raytpu.driver.export import export
 
     overrides, found = extract(list(args.overrides), valued=["--checkpoint", "--out"])
     cfg, job = load_config(args.config, overrides)
@@ -179,6 +175,8 @@ def export_command(args: argparse.Namespace) -> int:
 def data_command(args: argparse.Namespace) -> int:
     job = load_job(args.job)
     if args.data_command == "synth":
+        if not isinstance(job, Synthesizes):
+            raise ConfigError(f"job {job.name!r} has no synthetic data generator (the Synthesizes capability)")
         items = list(args.options)
         out = take_flag(items, "--out") or args.out
         if not out:
@@ -188,12 +186,18 @@ def data_command(args: argparse.Namespace) -> int:
         print(f"wrote a synthetic {job.name} data set to {out}")
         return 0
     if args.data_command == "stats":
+        if not isinstance(job, HasStatistics):
+            raise ConfigError(f"job {job.name!r} has no normalisation statistics to compute")
         print(json.dumps(job.compute_stats(args.data_path)))
         return 0
     if args.data_command == "prepare":
-        from raytpu import ingest
+        from raytpu.storage.tables import prepare
 
-        return ingest.prepare_command(job, args.src, args.out, args.rows_per_file)
+        manifest = prepare(job, args.src, args.out, args.rows_per_file)
+        tables = ", ".join(f"{name} {info['rows']} rows" for name, info in manifest["tables"].items())
+        verb = "already prepared, unchanged" if manifest.get("unchanged") else "wrote"
+        print(f"{verb}: {job.name} parquet tables in {args.out} ({tables})", flush=True)
+        return 0
     raise AssertionError(args.data_command)
 
 

@@ -1,28 +1,33 @@
 """The contract between the library and a training job.
 
-A job is a Python module (``jobs.<name>`` or any importable dotted path) that
-exposes ``JOB``, an instance of a :class:`Job` subclass. The library never
-imports a job's model or data code directly: it only calls the methods below,
-so adding a job never touches ``raytpu/``.
+A job is a Python module (``raytpu.jobs.<name>`` or any importable dotted path) that exposes
+``JOB``, an instance of a :class:`Job` subclass. The core every job has is small: a model,
+datasets, a train step, summable eval statistics and the metrics made of them. Everything else
+is an optional capability: a job has it when it defines that protocol's methods, and the library
+asks with ``isinstance(job, Capability)`` (:class:`Synthesizes`, :class:`HasStatistics`,
+:class:`Tabular`, :class:`Exports`, :class:`CustomTest`, :class:`CountsFlops`,
+:class:`CountsTokens`, :class:`DrawsImages`, :class:`WritesText`, :class:`WarmsUp`).
 
-Everything a job returns lives on the CPU or on whatever device the library
-moved the batch to; jobs never pick a device, never import torch_xla and never
-call ``.item()`` inside :meth:`Job.train_step`.
+The library never imports a job's model or data code directly: it only calls the methods below,
+so adding a job never touches ``raytpu/``. Everything a job returns lives on the CPU or on
+whatever device the library moved the batch to; jobs never pick a device, never import
+torch_xla and never call ``.item()`` inside :meth:`Job.train_step`.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-if TYPE_CHECKING:  # config.py imports this module; the type is only for readers and checkers
+if TYPE_CHECKING:  # the config imports this module; the type is only for readers and checkers
     from raytpu.config import Config
 
 Batch = dict[str, torch.Tensor]
@@ -30,13 +35,17 @@ Batch = dict[str, torch.Tensor]
 Columns = dict[str, Any]
 #: turns decoded columns of one batch (and the epoch, for augmentation) into the Dataset's stacked items
 BatchDecoder = Callable[[Columns, int], Batch]
+#: the package that holds the jobs shipped with raytpu (the repository's ``jobs/`` folder)
+SHIPPED = "raytpu.jobs"
+#: records per parquet file of ``raytpu data prepare`` for a :class:`Tabular` job that names none
+ROWS_PER_FILE = 256
 
 
-@dataclass
+@dataclass(frozen=True)
 class JobConfig:
     """Job-specific settings, the ``job:`` section of a config file.
 
-    Jobs subclass it and add their own fields (model size, augmentation, ...).
+    Jobs subclass it (as a frozen dataclass) and add their own fields (model size, augmentation, ...).
     """
 
     name: str = ""
@@ -55,7 +64,7 @@ class StepContext:
 
 
 class Job:
-    """Base class of every job; override what the job needs."""
+    """Base class of every job: the core. Override the four step methods and the two builders."""
 
     name: ClassVar[str] = ""
     config_class: ClassVar[type[JobConfig]] = JobConfig
@@ -64,8 +73,10 @@ class Job:
     main_metric_mode: ClassVar[str] = "min"
     #: seed-script flags accepted on the command line: flag -> dotted config key
     aliases: ClassVar[dict[str, str]] = {}
+    #: modules the job imports only when it uses them (Transformers, imported lazily so that the
+    #: runtime decides about torch_xla first): checked when the job is loaded
+    requires: ClassVar[tuple[str, ...]] = ()
 
-    # ----------------------------------------------------------------- build
     def check_config(self, cfg: Config) -> None:
         """Reject job settings that cannot work (raise ``ValueError`` with the fix), on the
         driver, before anything starts. The default accepts everything."""
@@ -82,49 +93,6 @@ class Job:
         """
         raise NotImplementedError
 
-    def synthesize(self, out: Path, **options: Any) -> None:
-        """Write a small data set in the job's native layout under ``out``."""
-        raise NotImplementedError(f"job {self.name!r} has no synthetic data generator")
-
-    def compute_stats(self, root: Path) -> dict[str, Any]:
-        """``raytpu data stats``: (re)compute the normalisation statistics of the data at ``root``
-        from its train split and return a summary; jobs without statistics keep this default."""
-        raise ValueError(f"job {self.name!r} has no normalisation statistics to compute")
-
-    def synth_options(self, cfg: Config) -> dict[str, Any]:
-        """Options for :meth:`synthesize` when the config asks to synthesize missing data."""
-        return {}
-
-    # ------------------------------------------------- tables (the Ray Data path)
-    #: records per parquet file written by ``raytpu data prepare`` (``--rows-per-file 0``)
-    rows_per_file: ClassVar[int] = 256
-    #: files beside the native data (normalisation statistics) copied beside the tables
-    stats_files: ClassVar[tuple[str, ...]] = ()
-
-    def table_names(self, src: Path) -> list[str]:
-        """Tables ``raytpu data prepare`` can write from the native data under ``src``."""
-        raise NotImplementedError(f"job {self.name!r} cannot be prepared for data.loader=ray")
-
-    def table_for_split(self, cfg: Config, split: str) -> str:
-        """The prepared table that serves ``split`` (``train``, ``valid``, ``test``)."""
-        return split
-
-    def table_records(self, src: Path, table: str, rows: int) -> Iterator[Columns]:
-        """Chunks of at most ``rows`` records of ``table``, read from the native files.
-
-        Every chunk has an ``id`` column: the record's index in the job's map-style
-        Dataset of that table, so both ingest paths see the same sample under one
-        number (and draw the same augmentation for it).
-        """
-        raise NotImplementedError(f"job {self.name!r} cannot be prepared for data.loader=ray")
-
-    def batch_decoder(self, cfg: Config, split: str, stats_root: Path) -> BatchDecoder:
-        """A function ``(columns, epoch) -> batch`` giving the same tensors as stacking
-        ``build_dataset(cfg, split, ...)[id]`` after ``set_epoch(epoch)``; ``stats_root``
-        holds :attr:`stats_files`."""
-        raise NotImplementedError(f"job {self.name!r} cannot decode prepared tables")
-
-    # ------------------------------------------------------------------ step
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
         """Return ``(loss, extra)``: a scalar loss to minimise and a dict of
         scalar tensors to log (kept on device; the library reads them lazily)."""
@@ -140,74 +108,165 @@ class Job:
         """Turn summed statistics into the reported metrics."""
         raise NotImplementedError
 
-    def unused_parameters(self, cfg: Config, epoch: int) -> bool:
-        """Whether some parameters get no gradient in ``epoch`` (heads a warm-up skips): DDP then
-        has to look for them, which it is asked to do in those epochs only."""
+
+# ------------------------------------------------------------------ capabilities
+@runtime_checkable
+class Synthesizes(Protocol):
+    """``raytpu data synth``, and ``data.synthesize_if_missing``: a small data set in the job's layout."""
+
+    def synthesize(self, out: Path, **options: Any) -> None: ...
+
+    def synth_options(self, cfg: Config) -> dict[str, Any]:
+        """Options for :meth:`synthesize` when a run makes its missing data set."""
+        ...
+
+
+@runtime_checkable
+class HasStatistics(Protocol):
+    """``raytpu data stats``: (re)compute the normalisation statistics of the data at ``root``
+    from its train split; returns a summary."""
+
+    def compute_stats(self, root: Path) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class Tabular(Protocol):
+    """The Ray Data path (``data.loader: ray``): the job's records as parquet tables.
+
+    Optional with it: ``table_for_split(cfg, split)``, the prepared table that serves a split
+    (default: the table named as the split, :func:`table_for`), and two class attributes:
+    ``rows_per_file``, the records per file ``raytpu data prepare`` writes (default
+    :data:`ROWS_PER_FILE`), and ``stats_files``, files beside the native data (normalisation
+    statistics) copied beside the tables (default none)."""
+
+    def table_names(self, src: Path) -> list[str]:
+        """Tables ``raytpu data prepare`` can write from the native data under ``src``."""
+        ...
+
+    def table_records(self, src: Path, table: str, rows: int) -> Iterator[Columns]:
+        """Chunks of at most ``rows`` records of ``table``, read from the native files. Every chunk
+        has an ``id`` column: the record's index in the job's map-style Dataset of that table, so
+        both ingest paths see the same sample under one number (and draw the same augmentation)."""
+        ...
+
+    def batch_decoder(self, cfg: Config, split: str, stats_root: Path) -> BatchDecoder:
+        """A function ``(columns, epoch) -> batch`` giving the same tensors as stacking
+        ``build_dataset(cfg, split, ...)[id]`` after ``set_epoch(epoch)``; ``stats_root`` holds
+        :attr:`stats_files`."""
+        ...
+
+
+@runtime_checkable
+class Exports(Protocol):
+    """``raytpu export``: write the trained ``model`` (weights loaded, on the CPU) to ``out`` in the
+    format its ecosystem loads (a Transformers ``save_pretrained`` folder, ...)."""
+
+    def export(self, model: nn.Module, cfg: Config, data_root: Path, out: Path) -> None: ...
+
+
+@runtime_checkable
+class CustomTest(Protocol):
+    """A job-specific test mode run on rank 0 (a diffusion sampler), instead of evaluating the test
+    split with :meth:`Job.eval_step` on every worker; returns the test metrics."""
+
+    def test(self, model: nn.Module, cfg: Config, run_dir: Path, data_root: Path) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class CountsFlops(Protocol):
+    """Model FLOPs utilisation (``perf/mfu``): the training FLOPs of one sample at ``cfg``'s shapes,
+    the model's matmuls in a forward and a backward pass, i.e. 3x the forward's
+    (``raytpu.worker.flops``). ``model``: the model just built, on the CPU, to count parameters of."""
+
+    def flops_per_sample(self, cfg: Config, model: nn.Module) -> float | None: ...
+
+
+@runtime_checkable
+class CountsTokens(Protocol):
+    """``perf/tokens_per_s``: tokens in one sample (a causal LM: its sequence length)."""
+
+    def tokens_per_sample(self, cfg: Config) -> int | None: ...
+
+
+@runtime_checkable
+class DrawsImages(Protocol):
+    """Images for TensorBoard at each evaluation: name -> (N, C, H, W) in [0, 1]."""
+
+    def eval_images(self, model: nn.Module, batch: Batch, ctx: StepContext) -> dict[str, torch.Tensor]: ...
+
+
+@runtime_checkable
+class WritesText(Protocol):
+    """Text for TensorBoard at each evaluation (a generated sample), run on rank 0: name -> text."""
+
+    def eval_text(self, model: nn.Module, ctx: StepContext, data_root: Path) -> dict[str, str]: ...
+
+
+@runtime_checkable
+class WarmsUp(Protocol):
+    """A warm-up phase that trains another output than the rest of the run (MSHNet trains its
+    level-0 head alone). During its first ``warmup_epochs(cfg)`` epochs some parameters get no
+    gradient (data-parallel wrappers are told to look for them), and evaluations of the weights
+    those epochs made are logged but never chosen as the best checkpoint."""
+
+    def warmup_epochs(self, cfg: Config) -> int: ...
+
+
+def table_for(job: Job, cfg: Config, split: str) -> str:
+    """The prepared table that serves ``split`` (``train``, ``valid``, ``test``) of a :class:`Tabular` job."""
+    chooser = getattr(job, "table_for_split", None)
+    return chooser(cfg, split) if chooser is not None else split
+
+
+def in_warmup(job: Job, cfg: Config, epoch: int) -> bool:
+    """Whether ``epoch`` (from 0) is one of the job's warm-up epochs (never, for a job without one)."""
+    return isinstance(job, WarmsUp) and epoch < job.warmup_epochs(cfg)
+
+
+# ------------------------------------------------------------------ finding a job
+def load_job(name: str) -> Job:
+    """Resolve ``name`` to a job: ``mshnet`` -> ``raytpu.jobs.mshnet``, or a dotted module path."""
+    candidates = [name] if "." in name else [f"{SHIPPED}.{name}"]
+    module_name = candidates[0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if not (exc.name and module_name.startswith(exc.name)):
+            raise missing_dependency(exc, name) from exc
+        raise ValueError(
+            f"unknown job {name!r}: no module {module_name}; known jobs: {', '.join(known_jobs())}"
+        ) from None
+    job = getattr(module, "JOB", None)
+    if not isinstance(job, Job):
+        raise ValueError(f"module {module_name!r} has no JOB = <Job instance>; add one to plug the job in")
+    for required in job.requires:
+        if not importable(required):
+            raise missing_dependency(ModuleNotFoundError(name=required), name)
+    return job
+
+
+def importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
         return False
 
-    def counts_for_best(self, cfg: Config, epoch: int) -> bool:
-        """Whether an evaluation of weights trained up to ``epoch`` may be chosen as the best
-        checkpoint (a job whose early phase trains another output, like MSHNet's warm-up, says
-        no for it: those evaluations are logged, never the best)."""
-        return True
 
-    # ------------------------------------------------------------ throughput
-    def flops_per_sample(self, cfg: Config, model: nn.Module) -> float | None:
-        """Training FLOPs of one sample at ``cfg``'s shapes: the model's matmuls in a forward and a
-        backward pass, i.e. 3x the forward's (what :mod:`raytpu.flops` counts, for model FLOPs
-        utilisation). ``model``: the model just built, on the CPU, to count parameters of. The
-        default, ``None``, declares nothing: no ``perf/mfu``."""
-        return None
-
-    def tokens_per_sample(self, cfg: Config) -> int | None:
-        """Tokens in one sample (a causal LM: its sequence length), for ``perf/tokens_per_s``.
-        The default, ``None``: the job's throughput is in samples/s only."""
-        return None
-
-    def eval_images(self, model: nn.Module, batch: Batch, ctx: StepContext) -> dict[str, torch.Tensor]:
-        """Optional images for TensorBoard at eval: name -> (N, C, H, W) in [0, 1]."""
-        return {}
-
-    def eval_text(self, model: nn.Module, ctx: StepContext, data_root: Path) -> dict[str, str]:
-        """Optional text for TensorBoard at eval (a generated sample), run on rank 0: name -> text."""
-        return {}
-
-    def export(self, model: nn.Module, cfg: Config, data_root: Path, out: Path) -> None:
-        """``raytpu export``: write the trained ``model`` (weights loaded, on the CPU) to ``out`` in the
-        format its ecosystem loads (a Transformers ``save_pretrained`` folder, ...)."""
-        raise NotImplementedError
-
-    def test(self, model: nn.Module, cfg: Config, run_dir: Path, data_root: Path) -> dict[str, float]:
-        """Optional job-specific test mode, run on rank 0 (e.g. a diffusion sampler).
-
-        Jobs that do not override it are tested by evaluating the test split
-        with :meth:`eval_step` on every worker."""
-        raise NotImplementedError
+#: the extra that installs what a shipped job imports (``pip install 'raytpu[<extra>]'``)
+EXTRAS = {"mshnet": "mshnet", "cdeit": "cdeit", "causal_lm": "lm"}
 
 
-def load_job(name: str) -> Job:
-    """Resolve ``name`` to a job: ``mshnet`` -> ``jobs.mshnet``, or a dotted module path."""
-    candidates = [name] if "." in name else [f"jobs.{name}", name]
-    errors = []
-    for module_name in candidates:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and module_name.startswith(exc.name):
-                errors.append(module_name)
-                continue
-            raise
-        job = getattr(module, "JOB", None)
-        if not isinstance(job, Job):
-            raise ValueError(f"module {module_name!r} has no JOB = <Job instance>; add one to plug the job in")
-        return job
-    raise ValueError(f"unknown job {name!r}: no module {' or '.join(errors)}; known jobs: {', '.join(known_jobs())}")
+def missing_dependency(exc: ModuleNotFoundError, name: str) -> Exception:
+    """A job whose own dependency is not installed: one line naming the extra that installs it."""
+    extra = EXTRAS.get(name.removeprefix(f"{SHIPPED}."))
+    fix = f"pip install 'raytpu[{extra}]'" if extra else f"install {exc.name}"
+    return ValueError(f"job {name!r} needs the package {exc.name!r}, which is not installed: {fix}")
 
 
 def known_jobs() -> list[str]:
-    """Jobs shipped in the ``jobs`` package."""
+    """Jobs shipped with raytpu."""
     try:
-        package = importlib.import_module("jobs")
+        package = importlib.import_module(SHIPPED)
     except ModuleNotFoundError:
         return []
     roots = [Path(p) for p in getattr(package, "__path__", [])]

@@ -10,7 +10,7 @@ fi
 if ! .venv/bin/python -c "import raytpu, torch_xla, ray, pytest" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.raytpu-installed ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e '.[xla,dev]'
+    .venv/bin/python -m pip install --quiet -e '.[all,xla,dev]'
     touch .venv/.raytpu-installed
 fi
 .venv/bin/python - <<'PY'

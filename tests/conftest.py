@@ -28,7 +28,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 def ray_session():
     import ray
 
-    from raytpu.cluster import connect
+    from raytpu.driver.cluster import connect
 
     os.environ.pop("RAY_ADDRESS", None)
     connect("local")  # a fresh instance even when another Ray runs on this machine

@@ -7,7 +7,7 @@ The cluster is a CPU head and two v4-16 slices (2 hosts x 4 chips each), each ho
 ``ray.io/tpu-*`` labels, and the ``TPU_*`` variables Ray reads its slice name and worker id from.
 
 For both layouts the driver builds the trainer exactly as ``raytpu train`` does
-(``launcher.build_trainer``: ``ScalingConfig(**scaling_kwargs(cfg))`` and raytpu's torch
+(``raytpu.driver.ray_trainer.build_trainer``: ``ScalingConfig(**scaling_kwargs(cfg))`` and raytpu's torch
 config) and runs a tiny train function with the same scaling and backend: each worker writes
 its node, labels and Ray's TPU chip ids to ``OUT/<layout>/rank_<r>.json``, and in the per-chip
 layout also the PJRT environment raytpu's ``configure_chip_process`` sets. No XLA is run.
@@ -66,7 +66,7 @@ def where_am_i(config: dict[str, Any]) -> None:
     }
     if config["layout"] == "multiprocess":  # raytpu's own per-chip setup: the env torch_xla would read
         from raytpu.config import from_dict
-        from raytpu.worker import configure_chip_process
+        from raytpu.worker.entry import configure_chip_process
 
         cfg, _ = from_dict(config["config"])
         record["pjrt_env"] = configure_chip_process(cfg, record["rank"])
@@ -79,8 +79,8 @@ def run_layout(layout: str, out: Path) -> None:
     from ray.train.torch import TorchTrainer
 
     from raytpu.config import load_config, to_dict
-    from raytpu.launcher import build_trainer
-    from raytpu.worker import WorkerPayload
+    from raytpu.config.plan import Plan
+    from raytpu.driver.ray_trainer import build_trainer
 
     cfg, _ = load_config(
         "jobs/mshnet/small.yaml",
@@ -93,8 +93,8 @@ def run_layout(layout: str, out: Path) -> None:
             f"run.storage_path={out / 'results'}",
         ],
     )
-    payload = WorkerPayload(to_dict(cfg), str(out), str(out), "train", "max")
-    raytpu_trainer = build_trainer(cfg, payload, f"fake-tpu-{layout}")
+    plan = Plan(cfg, "train", str(out / "results"), f"fake-tpu-{layout}", data_root=str(out), main_metric_mode="max")
+    raytpu_trainer = build_trainer(plan)
     records = out / layout
     records.mkdir(parents=True)
     probe = TorchTrainer(

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from raytpu import cli
-from raytpu.checkpoint import LocalReporter
 from raytpu.config import load_config
-from raytpu.loop import Trainer
 from raytpu.runtime import make_runtime
+from raytpu.worker.loop import Trainer
+from raytpu.worker.reporting import FolderReporter
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "jobs/mshnet/small.yaml")
@@ -34,7 +34,7 @@ RAYTPU = str(Path(sys.executable).with_name("raytpu"))
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """An IRSTD-format data set, an earlier run with a checkpoint, and files to misuse."""
-    from jobs.mshnet.synth import synthesize
+    from raytpu.jobs.mshnet.synth import synthesize
 
     base = tmp_path_factory.mktemp("bad-input")
     data = base / "mshnet"
@@ -42,7 +42,7 @@ def world(tmp_path_factory):
     storage = base / "results"
     earlier = storage / "earlier"
     cfg, job = load_config(None, ["job.name=tests.toy_job", "loop.epochs=1", "logging.progress_bar=false"])
-    Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), earlier, earlier, LocalReporter(earlier)).fit()
+    Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), earlier, earlier, FolderReporter(earlier)).fit()
     junk = base / "junk.pt"
     junk.write_text("not a checkpoint")
     (base / "broken.yaml").write_text("job: {name: mshnet}\nloop:\n  epochs: [1, 2\n")
@@ -216,10 +216,10 @@ def test_resources_the_cluster_does_not_have(world, ray_session, capsys, overrid
     ids=["TPU hosts", "GPUs", "one CPU worker", "data-parallel CPU workers"],
 )
 def test_fsdp_over_several_workers_is_refused_only_without_xla_collectives(overrides, accelerators):
-    from raytpu.launcher import check_sharded_workers
+    from raytpu.driver.preflight import check_sharded_workers
 
     cfg, _ = load_config(SMALL, ["runtime=xla", "xla.spmd=true", *overrides])
-    check_sharded_workers(cfg, accelerators)
+    check_sharded_workers(cfg, "xla", accelerators)
 
 
 @pytest.mark.parametrize(

@@ -11,13 +11,14 @@ import pytest
 import torch
 from accelerate.utils.memory import should_reduce_batch_size
 
-from raytpu import batch_finder as bf
-from raytpu import checkpoint as ckpt
 from raytpu import cli
-from raytpu.checkpoint import LocalReporter
 from raytpu.config import load_config
-from raytpu.loop import Trainer
+from raytpu.config.batching import BatchPlan
 from raytpu.runtime import make_runtime
+from raytpu.worker import batch_finder as bf
+from raytpu.worker import checkpoint as ckpt
+from raytpu.worker.loop import Trainer
+from raytpu.worker.reporting import FolderReporter
 from tests.conftest import tensorboard_hparams
 from tests.toy_job import OUT_OF_MEMORY
 
@@ -55,19 +56,20 @@ def test_other_errors_pass_through_untouched(error):
 
 # ------------------------------------------------------------------ arithmetic
 def test_halving_keeps_the_global_batch_by_raising_accumulation():
-    plan, seen = bf.BatchPlan(32, 2, 1), []
+    plan, seen = BatchPlan(32, 2, 1), []
     while plan is not None:
-        seen.append((plan.per_device, plan.grad_accum))
-        assert plan.per_device * plan.replicas * plan.grad_accum == 32
-        plan = plan.smaller()
+        seen.append((plan.per_device(1), plan.grad_accum))
+        assert plan.per_device(1) * plan.workers * plan.grad_accum == 32
+        plan = plan.smaller(1)
     assert seen == [(16, 1), (8, 2), (4, 4), (2, 8), (1, 16)]
     assert len(seen) - 1 == bf.max_reductions(16)
+    assert BatchPlan(32, 1, 1).smaller(2) == BatchPlan(32, 1, 2)  # 16 per device on 2 devices -> 8
 
 
 def test_an_odd_batch_steps_down_by_its_smallest_factor():
-    assert bf.BatchPlan(24, 2, 2).smaller() == bf.BatchPlan(24, 2, 4)  # 6 per device -> 3
-    assert bf.BatchPlan(24, 2, 4).smaller() == bf.BatchPlan(24, 2, 12)  # 3 -> 1
-    assert bf.BatchPlan(24, 2, 4).describe() == "3 per device x 4 accumulation steps (global batch 24)"
+    assert BatchPlan(24, 2, 2).smaller(1) == BatchPlan(24, 2, 4)  # 6 per device -> 3
+    assert BatchPlan(24, 2, 4).smaller(1) == BatchPlan(24, 2, 12)  # 3 -> 1
+    assert BatchPlan(24, 2, 4).describe() == "3 per device x 4 accumulation steps (global batch 24)"
 
 
 def config(*overrides: str):
@@ -85,12 +87,11 @@ def test_ray_restarts_for_reductions_come_on_top_of_the_users_failures():
 
 
 def test_the_failure_config_ray_gets(tmp_path):
-    from raytpu.launcher import build_trainer
-    from raytpu.worker import WorkerPayload
+    from raytpu.config.plan import Plan
+    from raytpu.driver.ray_trainer import build_trainer
 
     cfg = config("loop.auto_find_batch_size=true", "scaling.num_workers=2", "scaling.runtime=cpu")
-    payload = WorkerPayload({}, str(tmp_path), str(tmp_path), "train", "min")
-    trainer = build_trainer(cfg, payload, "run")
+    trainer = build_trainer(Plan(cfg, "train", str(tmp_path), "run"))
     assert trainer.run_config.failure_config.max_failures == 2  # 4 per worker: 2, 1
 
 
@@ -104,13 +105,14 @@ def test_the_flag_and_the_yaml_section_turn_it_on(tmp_path):
 
 # ------------------------------------------------------------------ record
 def test_the_record_is_read_back_only_for_the_same_batch_and_replicas(tmp_path):
-    configured = bf.BatchPlan(32, 2, 1)
-    assert bf.read_record(tmp_path, configured) is None
-    bf.record(tmp_path, bf.BatchPlan(32, 2, 4), failed_at=8)
-    assert bf.read_record(tmp_path, configured) == (bf.BatchPlan(32, 2, 4), 8)
-    assert bf.read_record(tmp_path, bf.BatchPlan(64, 2, 1)) is None  # another global batch: search afresh
-    assert bf.read_record(tmp_path, bf.BatchPlan(32, 4, 1)) is None  # other replicas
-    assert bf.read_record(tmp_path, bf.BatchPlan(32, 2, 8)) is None  # not smaller than configured
+    configured = BatchPlan(32, 2, 1)
+    assert bf.read_record(tmp_path, configured, 1) is None
+    bf.record(tmp_path, BatchPlan(32, 2, 4), devices=1, failed_at=8)
+    assert bf.read_record(tmp_path, configured, 1) == (BatchPlan(32, 2, 4), 8)
+    assert bf.read_record(tmp_path, BatchPlan(64, 2, 1), 1) is None  # another global batch: search afresh
+    assert bf.read_record(tmp_path, BatchPlan(32, 4, 1), 1) is None  # other replicas
+    assert bf.read_record(tmp_path, configured, 2) is None  # other replicas: 2 workers x 2 devices
+    assert bf.read_record(tmp_path, BatchPlan(32, 2, 8), 1) is None  # not smaller than configured
     assert bf.recorded_text(tmp_path, 32) == "4 per device x 4 accumulation steps (global batch 32)"
 
 
@@ -119,15 +121,19 @@ def fit(run_dir: Path, *overrides: str):
     base = ["data.global_batch_size=8", "loop.log_every=2", "logging.progress_bar=false"]
     cfg, job = load_config(None, ["job.name=tests.toy_job", "loop.auto_find_batch_size=true", *base, *overrides])
     runtime = make_runtime("cpu", "auto", 1, 0, 0)
-    reporter = LocalReporter(run_dir)
+    reporter = FolderReporter(run_dir)
     (run_dir / "config.yaml").parent.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text("saved by the driver\n")
 
+    trained = []  # the config of each attempt: the finder makes a new one for each batch
+
     def attempt(cfg):
+        trained.append(cfg)
         return Trainer(cfg, job, runtime, run_dir, run_dir, reporter).fit()
 
     bf.fit_finding_batch(cfg, runtime, run_dir, attempt)
-    return cfg, reporter
+    assert cfg.loop.grad_accum == 1  # the run's own config never changes
+    return trained[-1], reporter
 
 
 @pytest.mark.parametrize("kind", ["xla", "xla_compile", "cuda"])
@@ -140,7 +146,7 @@ def test_one_worker_steps_down_in_process_to_a_batch_that_fits(tmp_path, capsys,
     meta = ckpt.read_meta(reporter.latest_checkpoint())
     saved = meta["config"]
     assert (meta["step"], saved["loop"]["grad_accum"], saved["data"]["global_batch_size"]) == (8, 4, 8)
-    assert "grad_accum: 4" in (tmp_path / "config.yaml").read_text()
+    assert (tmp_path / "config.yaml").read_text() == "saved by the driver\n"  # the record says what ran
     assert json.loads((tmp_path / bf.RECORD).read_text())["per_device"] == 2
     values, _ = tensorboard_hparams(tmp_path / "tensorboard")  # the attempt that trained, not the first
     assert (values["loop.grad_accum"], values["data.global_batch_size"]) == (4, 8)
@@ -162,7 +168,7 @@ def test_out_of_memory_at_one_sample_is_one_clear_error(tmp_path):
 
 def test_other_errors_are_not_retried(tmp_path):
     with pytest.raises(RuntimeError, match="fault injected"):
-        fit(tmp_path, "loop.fail_at_step=1")
+        fit(tmp_path, "job.fail_at_step=1")
     assert not (tmp_path / bf.RECORD).exists()
 
 

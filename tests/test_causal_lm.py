@@ -11,17 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jobs.causal_lm import corpus
-from raytpu import checkpoint as ckpt
 from raytpu import cli
-from raytpu.args import ConfigError
-from raytpu.callbacks import Callback
-from raytpu.checkpoint import LocalReporter
 from raytpu.config import load_config
-from raytpu.loop import Trainer
-from raytpu.reports import Cadence
+from raytpu.config.args import ConfigError
+from raytpu.config.plan import resolve_config
+from raytpu.jobs.causal_lm import corpus
 from raytpu.runtime import make_runtime
-from raytpu.validation import apply_per_device_batch
+from raytpu.worker import checkpoint as ckpt
+from raytpu.worker.cadence import Cadence
+from raytpu.worker.callbacks import Callback
+from raytpu.worker.loop import Trainer
+from raytpu.worker.reporting import FolderReporter
 from tests.conftest import ROOT, run_python
 
 SMALL = str(ROOT / "jobs" / "causal_lm" / "small.yaml")
@@ -72,7 +72,7 @@ def test_the_step_loss_is_the_transformers_model_loss(data, tmp_path):
     cfg, job = load_config(SMALL, overrides)
     log = LossLog()
     runtime = make_runtime("cpu", "auto", 1, 0, 0)
-    Trainer(cfg, job, runtime, tmp_path, data, LocalReporter(tmp_path), callbacks=[log]).fit()
+    Trainer(cfg, job, runtime, tmp_path, data, FolderReporter(tmp_path), callbacks=[log]).fit()
     dataset = job.build_dataset(cfg, "train", data)
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
     ids = torch.stack([dataset[i]["input_ids"] for i in list(sampler)[:4]])
@@ -221,16 +221,16 @@ def test_training_arguments_section_in_yaml_and_the_command_line_wins(tmp_path):
     ],
 )
 def test_per_device_batch_times_replicas_times_accumulation_is_the_global_batch(scaling, expected):
-    cfg = flags(*scaling, "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8")
-    cfg.loop.grad_accum = 3
-    apply_per_device_batch(cfg)
-    assert (cfg.data.global_batch_size, cfg.data.eval_batch_size) == expected
+    per_device = ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8"]
+    cfg = flags(*scaling, *per_device, "--gradient_accumulation_steps", "3")
+    resolved = resolve_config(cfg, cfg.scaling.runtime, "fp32")
+    assert (resolved.data.global_batch_size, resolved.data.eval_batch_size) == expected
 
 
 def test_per_device_batch_on_xla_without_a_slice_says_what_to_set():
     cfg = flags("scaling.runtime=xla", "--per_device_train_batch_size", "4")
     with pytest.raises(ConfigError, match="scaling.tpu.accelerator_type"):
-        apply_per_device_batch(cfg)
+        resolve_config(cfg, "xla", "bf16")
 
 
 def test_eval_steps_and_save_steps_that_differ():
@@ -291,10 +291,12 @@ def trained(ray_session, data, tmp_path_factory):
     resume, where anything the resume left out (weights, optimizer moments, data position) has
     already changed the weights (the constant lr does not depend on the run's length)."""
     out = tmp_path_factory.mktemp("lm-runs")
+    faulty = out / "faulty.yaml"  # small.yaml with the causal LM that can fail at a step
+    faulty.write_text(Path(SMALL).read_text().replace("name: causal_lm\n", "name: tests.faulty_lm\n", 1))
     where = [f"data.path={data}", "--output_dir", str(out)]
-    assert cli.main(["train", SMALL, *TRAIN, *where, "--run_name", "ray", "loop.fail_at_step=23"]) == 1
-    assert cli.main(["train", SMALL, *TRAIN, *where, "--run_name", "ray"]) == 0
-    assert cli.main(["train", SMALL, *TRAIN, "loop.max_steps=40", *where, "--run_name", "local", "--local"]) == 0
+    assert cli.main(["train", str(faulty), *TRAIN, *where, "--run_name", "ray", "job.fail_at_step=23"]) == 1
+    assert cli.main(["train", str(faulty), *TRAIN, *where, "--run_name", "ray"]) == 0
+    assert cli.main(["train", str(faulty), *TRAIN, "loop.max_steps=40", *where, "--run_name", "local", "--local"]) == 0
     return out
 
 
@@ -354,7 +356,7 @@ def tiny_llama():
 
 @pytest.mark.parametrize("attention", ["causal", "sdpa"])
 def test_the_eval_sample_is_transformers_greedy_generate(data, attention):
-    from jobs.causal_lm import attention_implementation, generate
+    from raytpu.jobs.causal_lm import attention_implementation, generate
 
     model, tokenizer = tiny_llama(), corpus.load_tokenizer(data)
     model.set_attn_implementation(attention_implementation(attention))
@@ -369,7 +371,7 @@ def test_the_eval_sample_compiles_a_fixed_number_of_graphs_on_xla(data):
     Transformers' generate compiled 21 graphs for 8 tokens here."""
     code = f"""
 import json, torch_xla, torch_xla.debug.metrics as met
-from jobs.causal_lm import corpus, generate
+from raytpu.jobs.causal_lm import corpus, generate
 from tests.test_causal_lm import tiny_llama
 model, tokenizer = tiny_llama().to(torch_xla.device()), corpus.load_tokenizer({str(data)!r})
 compiles = lambda: (met.metric_data("CompileTime") or [0])[0]

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from jobs.cdeit import JOB
-from jobs.cdeit.data import (
+from raytpu.config import load_config
+from raytpu.jobs.cdeit import JOB
+from raytpu.jobs.cdeit.data import (
     EITDataset,
     eval_dataset,
     find_stats,
@@ -18,8 +19,7 @@ from jobs.cdeit.data import (
     resolve_data_root,
     to_eim,
 )
-from jobs.cdeit.synth import N_READINGS, simulator, synthesize
-from raytpu.config import load_config
+from raytpu.jobs.cdeit.synth import N_READINGS, simulator, synthesize
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = Path(os.environ.get("CDEIT_REAL_DATA", ROOT.parent / "shared" / "data" / "cdeit-real"))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from jobs.cdeit.diffusion import Diffusion
+from raytpu.jobs.cdeit.diffusion import Diffusion
 
 DIFFUSION = Diffusion()
 

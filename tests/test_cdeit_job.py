@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from jobs.cdeit import JOB, CDEITConfig, reconstruction_metrics
-from jobs.cdeit.synth import synthesize
 from raytpu.config import load_config
 from raytpu.job import StepContext
+from raytpu.jobs.cdeit import JOB, CDEITConfig, reconstruction_metrics
+from raytpu.jobs.cdeit.synth import synthesize
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = Path(os.environ.get("CDEIT_REAL_DATA", ROOT.parent / "shared" / "data" / "cdeit-real"))
@@ -96,8 +96,7 @@ def test_test_mode_on_simulated_set(data_root: Path, tmp_path: Path) -> None:
 @pytest.mark.skipif(not (REAL / "uef2017").is_dir(), reason="shared UEF2017 measurements not present")
 def test_test_mode_on_real_uef2017(tmp_path: Path) -> None:
     real = ["job.image_size=128", "job.patch_size=4", "--samplingsteps", "1"]  # cheap on CPU at 128x128
-    cfg = config("--data", "uef2017", "--data-path", str(REAL), *real)
-    cfg.data.global_batch_size = 8
+    cfg = config("--data", "uef2017", "--data-path", str(REAL), *real, "data.global_batch_size=8")
     metrics = JOB.test(JOB.build_model(cfg), cfg, tmp_path)
     assert metrics["images"] == 22 and math.isfinite(metrics["psnr"])
     assert len(list((tmp_path / "test_uef2017").glob("*.png"))) == 22

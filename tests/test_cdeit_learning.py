@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from jobs.cdeit import reconstruction_metrics
-from jobs.cdeit.synth import synthesize
-from raytpu.checkpoint import LocalReporter
-from raytpu.config import load_config
-from raytpu.loop import Trainer
+from raytpu.config import load_config, with_values
+from raytpu.jobs.cdeit import reconstruction_metrics
+from raytpu.jobs.cdeit.synth import synthesize
 from raytpu.runtime import make_runtime
+from raytpu.worker.loop import Trainer
+from raytpu.worker.reporting import FolderReporter
 
 SHORT_RUN = [
     "scaling.num_workers=1",
@@ -43,11 +43,11 @@ def test_short_run_of_the_small_recipe_beats_all_zeros(tmp_path: Path) -> None:
     synthesize(data, n_train=512, n_valid=16, n_test=32, size=32, seed=0)
     cfg, job = load_config("jobs/cdeit/small.yaml", [f"data.path={data}", *SHORT_RUN])
     torch.manual_seed(cfg.run.seed)
-    reporter = LocalReporter(tmp_path / "run")
+    reporter = FolderReporter(tmp_path / "run")
     trainer = Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), tmp_path / "run", data, reporter)
     trainer.fit()
     sampled = job.test(trainer.eval_model(), cfg, tmp_path / "run", data)["rmse"]
-    cfg.job.sampling_steps = 1
+    cfg = with_values(cfg, {"job.sampling_steps": 1})
     mean = job.test(trainer.eval_model(), cfg, tmp_path / "run", data)["rmse"]
 
     test_set = job.build_dataset(cfg, "test", data)

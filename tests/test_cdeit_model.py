@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from jobs.cdeit.model import SMALL, DiT, DiTConfig, count_parameters, nearest_upsample
+from raytpu.jobs.cdeit.model import SMALL, DiT, DiTConfig, count_parameters, nearest_upsample
 
 #: a sample of the authors' state_dict (models.py, class DiT with its defaults): key -> shape
 AUTHORS_KEYS = {

@@ -69,21 +69,20 @@ def test_precision_follows_the_device(runtime, asked, bf16_ok, expected, warns):
 
 
 def test_relative_weights_path_reaches_workers_absolute(tmp_path, monkeypatch):
-    from raytpu import launcher
     from raytpu.config import load_config
+    from raytpu.config.plan import resolve_config
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ckpt").mkdir()
-    cfg, job = load_config(SMALL, ["checkpoint.weights=ckpt"])
-    payload = launcher.make_payload(cfg, job, tmp_path, tmp_path, "test")
-    assert payload.config["checkpoint"]["weights"] == str(tmp_path / "ckpt")
+    cfg, _ = load_config(SMALL, ["checkpoint.weights=ckpt"])
+    assert resolve_config(cfg, "cpu", "fp32").checkpoint.weights == str(tmp_path / "ckpt")
 
 
 def test_a_missing_data_path_is_made_there_or_falls_back_to_data_job(tmp_path, monkeypatch):
     """data.path missing: with synthesize_if_missing the set is made at that path (for this run's
     seed), even when ./data/<job> holds another set; without it ./data/<job> is used, with a warning."""
     from raytpu.config import load_config
-    from raytpu.launcher import resolve_data_root
+    from raytpu.driver.runs import resolve_data_root
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data" / "tests.toy_job").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""cluster.yaml: accepted by Ray's cluster launcher, and its TPU node types agree with raytpu.tpu."""
+"""cluster.yaml: accepted by Ray's cluster launcher, and its TPU node types agree with raytpu.runtime.tpu."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import ray
 import yaml
 
-from raytpu.tpu import SliceSpec, parse_pod_type, slice_spec
+from raytpu.runtime.tpu import SliceSpec, parse_pod_type, slice_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def test_tpu_node_types_match_their_slices(config: dict[str, Any]) -> None:
         assert resources.get(f"accelerator_type:{spec.accelerator_type}") == 1, name
         assert node_type["node_config"]["runtimeVersion"], name
         installs = [c for c in node_type["worker_setup_commands"] if "$HOME/raytpu" in c]
-        assert installs and all("[tpu]" in c and '"torch==2.9.0"' in c for c in installs), name
+        assert installs and all("tpu]" in c and '"torch==2.9.0"' in c for c in installs), name
 
 
 def test_single_host_v5e_8_and_a_multi_host_slice(config: dict[str, Any]) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from raytpu.args import extract, parse_overrides
-from raytpu.config import ConfigError, dump_yaml, from_dict, load_config, to_dict
-from raytpu.validation import per_worker_batch
+from raytpu.config import ConfigError, dump_yaml, from_dict, load_config, to_dict, with_values
+from raytpu.config.args import extract, parse_overrides
+from raytpu.config.batching import BatchPlan
+from raytpu.config.plan import Plan, ScriptPlan, resolve_config
 
 
 def write(tmp_path, text: str):
@@ -69,10 +70,56 @@ def test_resolved_config_round_trips(tmp_path):
     assert to_dict(again) == to_dict(cfg)
 
 
-def test_per_worker_batch():
-    assert per_worker_batch(16, 2, 2) == 4
+def test_the_batch_plan_splits_checks_and_steps_down():
+    plan = BatchPlan(16, workers=2, grad_accum=2)
+    assert (plan.per_worker, plan.per_device(2), plan.eval_per_worker) == (4, 2, 8)
     with pytest.raises(ConfigError, match="use a multiple of 4"):
-        per_worker_batch(10, 2, 2)
+        BatchPlan(10, 2, 2)
+    with pytest.raises(ConfigError, match="not divisible by its 3 devices"):
+        plan.per_device(3)
+    assert plan.smaller(1) == BatchPlan(16, 2, 4) and BatchPlan(6, 2, 1).smaller(1) == BatchPlan(6, 2, 3)
+    assert BatchPlan(4, 4, 1).smaller(1) is None
+    assert plan.steps_per_epoch(40) == 2  # 20 samples a worker, 4 a micro-step, 2 micro-steps a step
+    plan.check_split("train", 16, "here")
+    with pytest.raises(ConfigError, match="fewer than one step"):
+        plan.check_split("train", 15, "here")
+    with pytest.raises(ConfigError, match="the valid split of here has 1 samples, fewer than the 2 workers"):
+        plan.check_split("valid", 1, "here")
+
+
+def test_a_config_is_frozen_and_a_change_is_a_new_config(tmp_path):
+    import dataclasses
+
+    cfg, _ = load_config(write(tmp_path, "job: {name: tests.toy_job}\n"), ["optim.betas.0=0.8"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.optim.lr = 0.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.job.samples = 3
+    changed = with_values(cfg, {"optim.lr": 0.5, "optim.betas.1": 0.9, "job.samples": 3})
+    assert (changed.optim.lr, changed.optim.betas, changed.job.samples) == (0.5, [0.8, 0.9], 3)
+    assert (cfg.optim.lr, cfg.optim.betas, cfg.job.samples) == (1e-3, [0.8, 0.999], 64)
+    with pytest.raises(ConfigError, match="unknown config key 'optim.lrr'"):
+        with_values(cfg, {"optim.lrr": 1})
+    assert cfg.run.name == "tests.toy_job-cfg"  # named after the job and the file
+
+
+def test_the_plan_is_frozen_resolved_and_travels_as_plain_values(tmp_path):
+    import dataclasses
+    import json
+
+    path = write(tmp_path, "job: {name: tests.toy_job}\nscaling: {num_workers: 2}\n")
+    cfg, _ = load_config(path, ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"])
+    resolved = resolve_config(cfg, "cpu", "fp32")
+    assert (cfg.scaling.runtime, cfg.data.global_batch_size) == ("auto", 8)  # the user's config, unchanged
+    assert (resolved.scaling.runtime, resolved.data.global_batch_size) == ("cpu", 16)
+    script = ScriptPlan(path="/a.py", args=("--x", "1"), state="s")
+    plan = Plan(resolved, "launch", "/runs", "mine", split_sizes=(("train", 64),), script=script)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.mode = "train"
+    assert plan.run_dir == "/runs/mine" and plan.batch == BatchPlan(16, 2, 2)
+    again = Plan.from_dict(json.loads(json.dumps(plan.as_dict())))
+    assert again == plan
+    assert plan.changed({"loop.grad_accum": 4}).batch.grad_accum == 4 and plan.batch.grad_accum == 2
 
 
 def test_parse_overrides_flag_needs_value():

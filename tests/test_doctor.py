@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from raytpu import cluster, doctor
+from raytpu.driver import cluster, doctor
 from tests.conftest import run_python
 
 REPORT_KEYS = {"versions", "torch_xla_match", "devices", "auto", "conflicts", "cluster", "problems", "blocking"}
@@ -70,7 +70,7 @@ def test_table_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_report_never_imports_torch_xla() -> None:
-    code = "import sys; from raytpu import cluster, doctor; doctor.collect_report(); print('torch_xla' in sys.modules)"
+    code = "import sys; from raytpu.driver import doctor; doctor.collect_report(); print('torch_xla' in sys.modules)"
     done = run_python(["-c", code], timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "False"

@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from raytpu import checkpoint as ckpt
-from raytpu.checkpoint import LocalReporter
 from raytpu.config import load_config
-from raytpu.loop import Trainer
-from raytpu.optim import EMA, EMASchedule
 from raytpu.runtime import make_runtime
+from raytpu.worker import checkpoint as ckpt
+from raytpu.worker.loop import Trainer
+from raytpu.worker.optim import EMA, EMASchedule
+from raytpu.worker.reporting import FolderReporter
 
 
 def reference_decays(calls: int, beta: float, every: int, after: int, power: float) -> list[float | None]:
@@ -73,7 +73,7 @@ def run(run_dir: Path, *overrides: str) -> Trainer:
         ["job.name=tests.toy_job", "data.global_batch_size=8", "logging.progress_bar=false", "loop.epochs=4",
          "optim.lr=0.05", "loop.ema_beta=0.995", "loop.ema_every=2", *overrides],
     )  # fmt: skip
-    trainer = Trainer(cfg, job, make_runtime("cpu", "auto", 1, 0, 0), run_dir, run_dir, LocalReporter(run_dir))
+    trainer = Trainer(cfg, job, make_runtime("cpu", "auto", 1, 0, 0), run_dir, run_dir, FolderReporter(run_dir))
     trainer.fit()
     return trainer
 
@@ -91,7 +91,7 @@ def test_a_short_run_s_ema_follows_its_weights_with_the_warmup(tmp_path: Path) -
         "beta": ["loop.ema_warmup=false", "loop.ema_update_after=0"],
     }.items():
         trainer = run(tmp_path / name, *extra)
-        latest = LocalReporter(tmp_path / name).latest_checkpoint()
+        latest = FolderReporter(tmp_path / name).latest_checkpoint()
         weights, ema = load_file(latest / ckpt.MODEL), load_file(latest / ckpt.EMA)
         torch.manual_seed(trainer.cfg.run.seed * 1000)  # as the trainer seeds rank 0 before building
         initial = {k: v.detach() for k, v in trainer.job.build_model(trainer.cfg).state_dict().items()}

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from raytpu import checkpoint as ckpt
 from raytpu import cli
+from raytpu.worker import checkpoint as ckpt
 
 pytestmark = pytest.mark.integration
 
@@ -70,26 +70,36 @@ def straight(ray_session, tmp_path_factory):
     return tmp_path, train(tmp_path, "straight")
 
 
-def test_the_console_shows_no_ray_internals(straight, capfd):
+def test_the_console_shows_no_ray_internals_and_a_tie_has_the_same_best_as_local(straight, capfd):
+    """Every evaluation of this run scores the same: Ray Train and the local processes keep and
+    choose checkpoints by one rule, whose tie goes to the newer checkpoint (step 16 of 8 and 16)."""
     tmp_path, code = straight
     assert code == 0
-    code = train(tmp_path, "console", "loop.epochs=1")
+    tie = ["loop.epochs=2", "job.constant_metric=0.5"]
+    code = train(tmp_path, "console", *tie)
     out, err = capfd.readouterr()
     assert code == 0, err[-3000:]
     shown = out + err
     assert "raytpu: train console on the local Ray instance: 2 cpu worker(s), fp32, 4 samples per worker" in shown
-    assert "best checkpoint:   " in out and '"valid/mse"' in out
+    assert '"valid/mse": 0.5' in out
     leaked = [line for line in shown.splitlines() if any(mark in line for mark in RAY_INTERNALS)]
     assert not leaked, leaked
+    assert train(tmp_path, "console-local", *tie, "--local") == 0
+    local_out = capfd.readouterr().out
+    best = {run: text.split("best checkpoint:")[1].split()[0] for run, text in (("ray", out), ("local", local_out))}
+    assert best == {
+        "ray": str(tmp_path / "results" / "console" / "checkpoint_00000016"),
+        "local": str(tmp_path / "results" / "console-local" / "checkpoint_00000016"),
+    }
 
 
 def test_a_raising_worker_ends_the_run_and_the_rerun_resumes(straight, capfd):
     tmp_path, _ = straight
     capfd.readouterr()
-    assert train(tmp_path, "raised", "loop.fail_at_step=13") == 1
+    assert train(tmp_path, "raised", "job.fail_at_step=13") == 1
     err = capfd.readouterr().err.strip().splitlines()
     assert "Traceback" in "\n".join(err), err[-20:]  # the failing rank's traceback, then one line:
-    assert err[-1].startswith("raytpu: error: rank ") and "fault injected by loop.fail_at_step=13" in err[-1]
+    assert err[-1].startswith("raytpu: error: rank ") and "fault injected by job.fail_at_step=13" in err[-1]
     assert train(tmp_path, "raised") == 0
     assert "resumed from" in capfd.readouterr().out
     assert_same_weights(tmp_path, "raised")

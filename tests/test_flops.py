@@ -10,16 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobs.cdeit import JOB as CDEIT
-from jobs.cdeit import model_config
-from jobs.cdeit.model import SMALL, DiT, DiTConfig, training_flops
-from raytpu.checkpoint import LocalReporter
 from raytpu.config import load_config
-from raytpu.flops import count_training_flops, matmul_parameters, mfu, perf_scalars, transformer_flops_per_token
-from raytpu.loop import Trainer
+from raytpu.job import CountsTokens
+from raytpu.jobs.cdeit import JOB as CDEIT
+from raytpu.jobs.cdeit import model_config
+from raytpu.jobs.cdeit.model import SMALL, DiT, DiTConfig, training_flops
 from raytpu.runtime import make_runtime
 from raytpu.runtime.base import Runtime
 from raytpu.runtime.peaks import gpu_peak_flops, tpu_peak_flops
+from raytpu.worker.flops import count_training_flops, matmul_parameters, mfu, perf_scalars, transformer_flops_per_token
+from raytpu.worker.loop import Trainer
+from raytpu.worker.reporting import FolderReporter
 from tests.toy_job import ToyJob
 
 
@@ -123,7 +124,7 @@ def test_the_cdeit_job_declares_its_flops_and_no_tokens():
     assert job is CDEIT
     assert CDEIT.flops_per_sample(cfg, CDEIT.build_model(cfg)) == training_flops(model_config(cfg.job))
     assert training_flops(model_config(cfg.job)) == training_flops(SMALL) == 717_498_624
-    assert CDEIT.tokens_per_sample(cfg) is None
+    assert not isinstance(CDEIT, CountsTokens)  # an image is no sequence: samples/s only
 
 
 @pytest.mark.parametrize(
@@ -196,7 +197,7 @@ def logged(run_dir: Path, peak: float | None) -> dict[str, list[float]]:
     runtime = make_runtime("cpu", "auto", 1, 0, 0)
     if peak is not None:
         runtime.device_peak_flops = lambda: peak  # a device with a known peak
-    Trainer(cfg, CountedToy(), runtime, run_dir, run_dir, LocalReporter(run_dir)).fit()
+    Trainer(cfg, CountedToy(), runtime, run_dir, run_dir, FolderReporter(run_dir)).fit()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir / "tensorboard"))

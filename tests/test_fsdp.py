@@ -12,13 +12,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from jobs.causal_lm import corpus
 from raytpu import cli
-from raytpu.args import ConfigError
 from raytpu.config import load_config
+from raytpu.config.args import ConfigError
+from raytpu.config.plan import resolve_config
+from raytpu.jobs.causal_lm import corpus
 from raytpu.runtime.fsdp import plain_state_dict_names, units_of, wrapping_units
 from raytpu.runtime.xla import mesh_shape
-from raytpu.validation import resolve_for_runtime
 from tests.conftest import XlaProbe
 
 FSDP_CONFIG = {"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": True}
@@ -140,8 +140,7 @@ def test_fsdp_flags_raytpu_cannot_honour_are_errors(words, message):
 def test_gradient_checkpointing_on_xla_is_torch_xlas(runtime, job_ckpt, xla_ckpt):
     """On xla ``--gradient_checkpointing`` becomes torch_xla's checkpoint of each decoder layer
     (a plain torch.utils.checkpoint is undone by XLA's CSE); elsewhere it stays Transformers'."""
-    cfg = flags(f"scaling.runtime={runtime}", "--gradient_checkpointing")
-    resolve_for_runtime(cfg)
+    cfg = resolve_config(flags("--gradient_checkpointing"), runtime, "fp32")
     assert (cfg.job.gradient_checkpointing, cfg.xla.grad_ckpt) == (job_ckpt, xla_ckpt)
 
 
@@ -228,7 +227,7 @@ def test_an_fsdp_v2_run_resumes_its_sharded_checkpoint_on_the_same_trajectory(xl
 
 
 def step_8_weights(run_dir: str) -> dict[str, dict[str, torch.Tensor]]:
-    checkpoint = Path(run_dir) / "checkpoints" / "checkpoint_00000008"
+    checkpoint = Path(run_dir) / "checkpoint_00000008"
     return {kind: load_file(checkpoint / f"{kind}.safetensors") for kind in ("model", "ema")}
 
 
@@ -255,7 +254,7 @@ def test_the_ema_of_the_wrapped_model_is_saved_resumed_and_tracks_the_single_dev
 def test_an_fsdp_v2_checkpoint_exports_to_from_pretrained(xla_runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    checkpoint = sorted((Path(xla_runs["fsdp4"]["run_dir"]) / "checkpoints").glob("checkpoint_*"))[-1]
+    checkpoint = sorted(Path(xla_runs["fsdp4"]["run_dir"]).glob("checkpoint_*"))[-1]
     overrides = [f"data.path={xla_runs['data']}", f"job.model_config={json.dumps(model_config())}"]
     args = ["export", "jobs/causal_lm/small.yaml", *overrides, "--checkpoint", str(checkpoint)]
     assert cli.main([*args, "--out", str(tmp_path / "hf")]) == 0

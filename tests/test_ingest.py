@@ -9,9 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raytpu import cli, ingest, launcher
+from raytpu import cli
 from raytpu.config import ConfigError, load_config
-from raytpu.job import load_job
+from raytpu.driver import runs
+from raytpu.driver.ray_trainer import materialize_train
+from raytpu.job import load_job, table_for
+from raytpu.storage import tables as ingest
 
 MSHNET = ("mshnet", "jobs/mshnet/small.yaml", {"n": 20, "size": 48, "seed": 0})
 CDEIT = ("cdeit", "jobs/cdeit/small.yaml", {"n_train": 6, "n_valid": 3, "n_test": 3, "size": 32, "seed": 0})
@@ -60,7 +63,7 @@ def test_prepare_writes_one_table_per_split_with_ids_and_stats(native, tmp_path)
     else:
         assert schema["xs"] == "fixed_size_list<item: float>[1024]"
         assert manifest["tables"]["train"]["shapes"]["ys"] == [208, 1]
-    for name in job.stats_files:
+    for name in getattr(job, "stats_files", ()):
         assert (tmp_path / "pq" / name).read_bytes() == (src / name).read_bytes()
     assert not (tmp_path / "pq" / ingest.PARTIAL).exists()
 
@@ -109,7 +112,7 @@ def test_decoded_batches_equal_the_torch_dataset_items(native, tmp_path, split):
     sizes = ["job.base_size=48", "job.crop_size=32"] if job.name == "mshnet" else []
     cfg, _ = load_config(config, [f"data.path={src}", *sizes])
     prepared = ingest.open_prepared(uri, job.name)
-    table = job.table_for_split(cfg, split)
+    table = table_for(job, cfg, split)
     info = prepared.table(table)
     rows = pq.read_table(prepared.paths(table), filesystem=prepared.fs).slice(1, 3)
     columns = ingest.to_columns(rows, info["shapes"])
@@ -125,7 +128,7 @@ def test_decoded_batches_equal_the_torch_dataset_items(native, tmp_path, split):
 def test_ray_loader_without_prepared_tables_says_to_prepare(tmp_path):
     cfg, job = load_config("jobs/mshnet/small.yaml", ["data.loader=ray", f"data.path={tmp_path}"])
     with pytest.raises(ConfigError, match=rf"run `raytpu data prepare mshnet --src .* --out {tmp_path}`"):
-        launcher.resolve_data_root(cfg, job)
+        runs.resolve_data_root(cfg, job)
 
 
 def test_cli_prepare(tmp_path, capsys):
@@ -154,7 +157,7 @@ def test_only_a_train_set_within_materialize_mb_and_a_quarter_of_the_object_stor
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"object_store_memory": 4.0 * size})
     for limit, materialized in ((0, False), (size / 2**20, True), (size / 2**20 / 2, False)):
         cfg, _ = load_config(config, [f"data.materialize_mb={limit}"])
-        assert ingest.materialize_train(cfg, prepared, "train") is materialized, limit
+        assert materialize_train(cfg, prepared, "train") is materialized, limit
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"object_store_memory": 4.0 * size - 1})
     cfg, _ = load_config(config, [])
-    assert not ingest.materialize_train(cfg, prepared, "train")
+    assert not materialize_train(cfg, prepared, "train")

@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 
-from raytpu import checkpoint as ckpt
-from raytpu import ingest, launcher
 from raytpu.config import load_config
+from raytpu.driver import runs
+from raytpu.driver.ray_trainer import read_datasets
+from raytpu.storage import tables as ingest
+from raytpu.worker import checkpoint as ckpt
 
 pytestmark = pytest.mark.integration
 
@@ -24,16 +26,15 @@ def record_ids(payload: dict[str, Any]) -> None:
     import ray.train
 
     from raytpu.config import from_dict
-    from raytpu.data import make_worker_data
     from raytpu.runtime import make_runtime
+    from raytpu.worker.data import make_worker_data
 
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     datasets = {name: ray.train.get_dataset_shard(name) for name in ("train", "valid")}
     record: dict[str, Any] = {}
     for loader in ("torch", "ray"):
-        cfg, job = from_dict(payload["config"])
-        cfg.data.loader = loader
+        cfg, job = from_dict({**payload["config"], "data": {**payload["config"]["data"], "loader": loader}})
         runtime = make_runtime("cpu", "fp32", world, rank, 0)
         run_dir = Path(payload["run_dir"])
         data = make_worker_data(cfg, job, runtime, run_dir, datasets)
@@ -61,13 +62,11 @@ def toy_config(tmp_path: Path) -> tuple[Any, Any]:
     )
     job.synthesize(tmp_path / "native", samples=SAMPLES)
     ingest.prepare(job, tmp_path / "native", str(tmp_path / "pq"), rows_per_file=16)
-    ingest.prepared_location(cfg, job)
-    launcher.leave_cpu_for_ray_data(cfg)
-    return cfg, job
+    return runs.leave_cpu_for_ray_data(cfg), job
 
 
 def test_both_paths_give_every_worker_the_same_steps_and_each_id_once_per_epoch(ray_session, tmp_path):
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import DataConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from raytpu.config import to_dict
@@ -78,8 +77,8 @@ def test_both_paths_give_every_worker_the_same_steps_and_each_id_once_per_epoch(
         train_loop_config={"config": to_dict(cfg), "run_dir": str(tmp_path)},
         scaling_config=ScalingConfig(num_workers=WORKERS, resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
         run_config=RunConfig(name="equivalence", storage_path=str(tmp_path / "results")),
-        datasets=ingest.read_datasets(cfg, job, "train"),
-        dataset_config=ingest.dataset_config(),
+        datasets=read_datasets(cfg, job, "train"),
+        dataset_config=DataConfig(datasets_to_split=["train"]),
     )
     trainer.fit()
     records = [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in range(WORKERS)]
@@ -104,9 +103,9 @@ def test_resume_from_a_mid_epoch_checkpoint_restarts_that_epoch_pass(ray_session
     """In-process, one worker: the failure at step 13 leaves the step-10 checkpoint (epoch 1,
     2 of 8 steps done); the resumed run draws a fresh pass of epoch 1, drops its first 2
     batches, and ends like an uninterrupted run: step 24, epoch 3, 8 steps an epoch."""
-    from raytpu.checkpoint import LocalReporter
-    from raytpu.loop import Trainer
     from raytpu.runtime import make_runtime
+    from raytpu.worker.loop import Trainer
+    from raytpu.worker.reporting import FolderReporter
 
     cfg, job = load_config(None, ["job.name=tests.toy_job", f"data.path={tmp_path / 'pq'}", "data.loader=ray"])
     job.synthesize(tmp_path / "native")
@@ -117,14 +116,14 @@ def test_resume_from_a_mid_epoch_checkpoint_restarts_that_epoch_pass(ray_session
         cfg, job = load_config(
             None, ["job.name=tests.toy_job", f"data.path={tmp_path / 'pq'}", "data.loader=ray", *common, *extra]
         )
-        datasets = {k: v.iterator() for k, v in ingest.read_datasets(cfg, job, "train").items()}
+        datasets = {k: v.iterator() for k, v in read_datasets(cfg, job, "train").items()}
         runtime = make_runtime("cpu", "fp32", 1, 0, 0)
-        trainer = Trainer(cfg, job, runtime, tmp_path / "run", tmp_path, LocalReporter(tmp_path / "run"), datasets)
+        trainer = Trainer(cfg, job, runtime, tmp_path / "run", tmp_path, FolderReporter(tmp_path / "run"), datasets)
         trainer.fit()
         return trainer
 
     with pytest.raises(RuntimeError, match="fault injected"):
-        run("loop.fail_at_step=13")
-    assert ckpt.read_meta(LocalReporter(tmp_path / "run").latest_checkpoint())["step"] == 10
+        run("job.fail_at_step=13")
+    assert ckpt.read_meta(FolderReporter(tmp_path / "run").latest_checkpoint())["step"] == 10
     resumed = run()
     assert (resumed.progress.step, resumed.progress.epoch, resumed.steps_per_epoch) == (24, 3, 8)

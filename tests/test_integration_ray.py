@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from raytpu import checkpoint as ckpt
-from raytpu import ingest, launcher
-from raytpu.config import load_config
+from raytpu.config import load_config, with_values
+from raytpu.driver import runs
+from raytpu.storage import tables as ingest
+from raytpu.worker import checkpoint as ckpt
 
 pytestmark = pytest.mark.integration
 
@@ -57,26 +58,27 @@ def scalar_events(run_dir: Path, tag: str) -> list:
 
 def test_mshnet_trains_on_two_workers_and_tests(ray_session, tmp_path, capsys):
     cfg, job = configure(tmp_path, "two-workers", "loop.epochs=4", "job.warm_epoch=-1")
-    summary = launcher.train(cfg, job)
-    run_dir = Path(summary["run_dir"])
+    summary = runs.train(cfg, job)
+    run_dir = Path(summary.run_dir)
     assert (run_dir / "config.yaml").is_file()
-    assert Path(summary["best_checkpoint"], "model.safetensors").is_file()
+    assert Path(summary.best_checkpoint, "model.safetensors").is_file()
     losses = scalars(run_dir, "train/loss")
     assert len(losses) == 16  # 4 epochs x 32 train images / 8 per step
     assert sum(losses[-4:]) < sum(losses[:4]), losses
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0})
     events.Reload()
     assert any(tag.startswith("valid/") for tag in events.Tags()["images"])
-    assert {"valid/mIoU", "valid/nIoU", "valid/Pd", "valid/Fa"} <= set(summary["metrics"])
+    assert {"valid/mIoU", "valid/nIoU", "valid/Pd", "valid/Fa"} <= set(summary.metrics)
 
     # test mode through Ray Data (tables prepared from the same images): MSHNet validates on the
     # test split, so the same weights give the same numbers as the torch path's last evaluation
     ingest.prepare(job, tmp_path / "data", str(tmp_path / "pq"))
-    cfg.data.path, cfg.data.loader = str(tmp_path / "pq"), "ray"
-    cfg.checkpoint.weights = summary["latest_checkpoint"]
-    metrics = launcher.test(cfg, job)
+    cfg = with_values(
+        cfg, {"data.path": str(tmp_path / "pq"), "data.loader": "ray", "checkpoint.weights": summary.latest_checkpoint}
+    )
+    metrics = runs.test(cfg, job)
     for name in ("mIoU", "nIoU", "Pd", "Fa"):
-        assert metrics[f"test/{name}"] == pytest.approx(summary["metrics"][f"valid/{name}"], rel=1e-6, abs=1e-9)
+        assert metrics[f"test/{name}"] == pytest.approx(summary.metrics[f"valid/{name}"], rel=1e-6, abs=1e-9)
 
 
 def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(ray_session, tmp_path):
@@ -99,14 +101,14 @@ def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(r
     )
     job.synthesize(tmp_path / "cdeit", **job.synth_options(cfg))  # not ./data/cdeit of the checkout
     ingest.prepare(job, tmp_path / "cdeit", (tmp_path / "pq").as_uri())
-    summary = launcher.train(cfg, job)
-    assert Path(summary["best_checkpoint"], "ema.safetensors").is_file()
-    latest = ckpt.read_meta(Path(summary["latest_checkpoint"]))
+    summary = runs.train(cfg, job)
+    assert Path(summary.best_checkpoint, "ema.safetensors").is_file()
+    latest = ckpt.read_meta(Path(summary.latest_checkpoint))
     assert (latest["step"], latest["epoch"]) == (8, 2)  # 32 samples, 4 steps an epoch
-    assert {event.step for event in scalar_events(Path(summary["run_dir"]), "train/loss")} == set(range(1, 9))
-    assert "valid/val_loss" in summary["metrics"]
+    assert {event.step for event in scalar_events(Path(summary.run_dir), "train/loss")} == set(range(1, 9))
+    assert "valid/val_loss" in summary.metrics
 
-    cfg.data.path, cfg.data.loader = str(tmp_path / "cdeit"), "torch"  # test mode through the torch path
-    cfg.checkpoint.weights = summary["best_checkpoint"]
-    metrics = launcher.test(cfg, job)
+    torch_path = {"data.path": str(tmp_path / "cdeit"), "data.loader": "torch"}  # test mode through the torch path
+    cfg = with_values(cfg, {**torch_path, "checkpoint.weights": summary.best_checkpoint})
+    metrics = runs.test(cfg, job)
     assert metrics["test/images"] == 8 and metrics["test/rmse"] > 0 and metrics["test/psnr"] > 0

@@ -57,27 +57,27 @@ def test_bad_launches_are_one_line(argv, message, capsys):
 
 
 def test_a_config_file_gives_the_scaling_and_an_unknown_section_is_refused(tmp_path):
-    from raytpu.launch import settings_from
+    from raytpu.compat.launch import settings_from
 
     config = tmp_path / "launch.yaml"
     config.write_text("scaling: {num_workers: 4, runtime: cpu}\nrun: {name: mine}\n")
     args = cli.build_parser().parse_args(["launch", "--config", str(config), "--num_processes", "2", EXAMPLE, "-x"])
     settings = settings_from(args)
     assert (settings.scaling.num_workers, settings.scaling.runtime, settings.run.name) == (2, "cpu", "mine")
-    assert settings.script_args == ["-x"]
+    assert settings.script_args == ("-x",)
     config.write_text("loop: {epochs: 3}\n")
     with pytest.raises(ValueError, match="reads the scaling, run and checkpoint sections"):
         settings_from(args)
 
 
 def test_a_tpu_slice_launches_one_process_per_chip():
-    from raytpu.launch import settings_from
-    from raytpu.launcher import scaling_kwargs
+    from raytpu.compat.launch import settings_from
+    from raytpu.driver.ray_trainer import scaling_kwargs
 
     argv = ["launch", "--tpu-accelerator-type", "TPU-V5LITEPOD", "--tpu-topology", "2x4", "--runtime", "xla"]
     args = cli.build_parser().parse_args([*argv, "--num_processes", "8", EXAMPLE])
     settings = settings_from(args)
-    kwargs = scaling_kwargs(settings.as_config())
+    kwargs = scaling_kwargs(settings.config)
     assert settings.scaling.tpu.layout == "multiprocess"
     assert kwargs["num_workers"] == 8 and kwargs["use_tpu"] and kwargs["resources_per_worker"]["TPU"] == 1
 
@@ -96,18 +96,19 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     order): every launched process gets torch_xla's per-chip environment, a distinct task id
     for every chip of the slice, and bf16 from ``--mixed_precision auto``; nothing that would
     keep Accelerate off XLA (the driver's own USE_TORCH_XLA=0 is overridden)."""
-    from raytpu.launch import ACCELERATE_NAMES, PRECISIONS, settings_from
-    from raytpu.launched import process_environment
+    from raytpu.compat.launch import ACCELERATE_NAMES, PRECISIONS, settings_from
+    from raytpu.compat.script_runner import process_environment
+    from raytpu.config.plan import ScriptPlan
     from raytpu.runtime.base import resolve_precision
-    from raytpu.tpu import chip_process_env, slice_spec
+    from raytpu.runtime.tpu import chip_process_env, slice_spec
 
     argv = ["launch", "--tpu-accelerator-type", accelerator_type, "--tpu-topology", topology, "--runtime", "xla"]
     settings = settings_from(cli.build_parser().parse_args([*argv, "--num_processes", "8", EXAMPLE]))
     spec = slice_spec(accelerator_type, topology)
     precision, _ = resolve_precision("xla", PRECISIONS[settings.mixed_precision])
-    payload = {"runtime": "xla", "state": "s", "mixed_precision": ACCELERATE_NAMES[precision]}
-    payload["gradient_accumulation_steps"] = 1
-    envs = [process_environment(payload, chip_process_env(rank, placements, spec)) for rank in range(8)]
+    script = ScriptPlan(path=EXAMPLE, state="s", mixed_precision=ACCELERATE_NAMES[precision])
+    launched = process_environment(script, "xla")
+    envs = [{**chip_process_env(rank, placements, spec), **launched} for rank in range(8)]
     assert sorted(int(env["CLOUD_TPU_TASK_ID"]) for env in envs) == list(range(8))
     assert {env["PJRT_DEVICE"] for env in envs} == {"TPU"}
     assert {env["ACCELERATE_MIXED_PRECISION"] for env in envs} == {"bf16"}
@@ -118,7 +119,7 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
 
 def test_metrics_logged_between_polls_become_one_report_and_polled_entries_never_change():
     """Every worker reports the same entries (each report is a barrier), however its polls fall."""
-    from raytpu.launched import LaunchState
+    from raytpu.compat.script_runner import LaunchState
 
     state = LaunchState()
     for step in range(3):
@@ -137,7 +138,7 @@ def test_metrics_logged_between_polls_become_one_report_and_polled_entries_never
 def test_checkpoints_published_in_a_rerun_are_numbered_after_the_run_s_own():
     """A rerun of the same --name numbers its checkpoints after the highest one of the run (its
     folder, or Ray's list of it): a name taken twice would let retention delete the old one."""
-    from raytpu.launched import LaunchState, last_state_number
+    from raytpu.compat.script_runner import LaunchState, last_state_number
 
     names = ["logs", "state_000002", "state_000007", "checkpoint_manager_snapshot.json", "state_x"]
     assert last_state_number(names) == 7 and last_state_number(["logs"]) == 0

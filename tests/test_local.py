@@ -43,7 +43,7 @@ def test_two_local_processes_train_fail_resume_and_match(tmp_path, capfd):
     latest = run_dir / kept[-1]
     assert {p.name for p in (latest / "rng").iterdir()} == {"rank_0.pt", "rank_1.pt"}  # both ranks' files
 
-    assert train(tmp_path, "resumed", "loop.fail_at_step=5") == 1
+    assert train(tmp_path, "resumed", "job.fail_at_step=5") == 1
     err = capfd.readouterr().err.strip().splitlines()
     assert err[-1].startswith("raytpu: error: rank ") and "fault injected" in err[-1], err[-5:]
     assert train(tmp_path, "resumed") == 0

@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from raytpu import checkpoint as ckpt
-from raytpu.checkpoint import LocalReporter
-from raytpu.config import ConfigError, load_config
-from raytpu.loop import NonFiniteLossError, Trainer
+from raytpu.config import ConfigError, load_config, with_values
 from raytpu.runtime import make_runtime
+from raytpu.worker import checkpoint as ckpt
+from raytpu.worker.loop import NonFiniteLossError, Trainer
+from raytpu.worker.reporting import FolderReporter
 from tests.conftest import tensorboard_hparams
 from tests.toy_job import ToyJob
 
@@ -27,13 +27,13 @@ BASE = [
 
 def run(run_dir: Path, *overrides: str) -> Trainer:
     cfg, job = load_config(None, BASE + list(overrides))
-    trainer = Trainer(cfg, job, make_runtime("cpu", "auto", 1, 0, 0), run_dir, run_dir, LocalReporter(run_dir))
+    trainer = Trainer(cfg, job, make_runtime("cpu", "auto", 1, 0, 0), run_dir, run_dir, FolderReporter(run_dir))
     trainer.fit()
     return trainer
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    latest = LocalReporter(run_dir).latest_checkpoint()
+    latest = FolderReporter(run_dir).latest_checkpoint()
     assert latest is not None
     return load_file(latest / ckpt.MODEL)
 
@@ -48,8 +48,8 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path):
     ]
     run(tmp_path / "straight", *schedule)
     with pytest.raises(RuntimeError, match="fault injected"):
-        run(tmp_path / "broken", *schedule, "loop.fail_at_step=13")
-    assert ckpt.read_meta(LocalReporter(tmp_path / "broken").latest_checkpoint())["step"] == 10
+        run(tmp_path / "broken", *schedule, "job.fail_at_step=13")
+    assert ckpt.read_meta(FolderReporter(tmp_path / "broken").latest_checkpoint())["step"] == 10
     resumed = run(tmp_path / "broken", *schedule)
     assert resumed.progress.step == 24
     straight, again = final_weights(tmp_path / "straight"), final_weights(tmp_path / "broken")
@@ -72,11 +72,13 @@ def test_non_finite_loss_stops_with_a_clear_error(tmp_path):
 
 
 def test_global_batch_not_divisible_by_workers_is_a_config_error(tmp_path):
-    cfg, job = load_config(None, BASE + ["data.global_batch_size=7"])
-    runtime = make_runtime("cpu", "auto", 1, 0, 0)
-    runtime.world_size = 2
     with pytest.raises(ConfigError, match="not divisible by 2 data-parallel workers"):
-        Trainer(cfg, job, runtime, tmp_path, tmp_path, LocalReporter(tmp_path)).fit()
+        load_config(None, BASE + ["data.global_batch_size=7", "scaling.num_workers=2"])
+    cfg, job = load_config(None, BASE + ["data.global_batch_size=6", "xla.spmd=true"])
+    runtime = make_runtime("cpu", "auto", 1, 0, 0)
+    runtime.__class__ = type("FourDevices", (type(runtime),), {"local_devices": 4})  # a host of 4 chips
+    with pytest.raises(ConfigError, match="gives 6 samples per worker, not divisible by its 4 devices"):
+        Trainer(cfg, job, runtime, tmp_path, tmp_path, FolderReporter(tmp_path)).fit()
 
 
 def test_completed_run_is_not_retrained_and_reports_its_end_again(tmp_path):
@@ -91,20 +93,34 @@ def test_completed_run_is_not_retrained_and_reports_its_end_again(tmp_path):
     assert "train/loss" in again.reporter.reports[0]
 
 
-def test_checkpoints_are_complete_and_pruned(tmp_path):
-    run(tmp_path, "loop.epochs=2", "checkpoint.every_steps=3", "checkpoint.num_to_keep=2")
-    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert kept == ["checkpoint_00000015", "checkpoint_00000016"]
-    meta = ckpt.read_meta(tmp_path / "checkpoints" / kept[-1])
+def test_checkpoints_are_complete_and_pruned_to_the_best_and_the_latest(tmp_path):
+    reporter = run(tmp_path, "loop.epochs=2", "checkpoint.every_steps=3", "checkpoint.num_to_keep=2").reporter
+    scores = {f"checkpoint_{r['step']:08d}": r["score"] for r in reporter.reports}  # steps 3, 6, ..., 15, 16
+    best_two = sorted(scores, key=scores.get)[:2]  # valid/mse: lower is better
+    kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint_"))
+    assert kept == sorted({*best_two, "checkpoint_00000016"})
+    meta = ckpt.read_meta(tmp_path / kept[-1])
     assert meta["step"] == 16 and "valid/mse" in meta["metrics"]
-    assert (tmp_path / "checkpoints" / kept[-1] / "rng" / "rank_0.pt").is_file()
+    assert (tmp_path / kept[-1] / "rng" / "rank_0.pt").is_file()
+
+
+def test_one_retention_rule_the_best_and_the_latest_and_a_tie_goes_to_the_newer():
+    """Ray Train's rule, which the run folder's reporter applies too: the num_to_keep best by score,
+    plus the latest; of equal scores the newer ranks higher (the best of a tie is the newest)."""
+    from raytpu.worker.reporting import Entry, best_of, retained
+
+    entries = [Entry(f"c{n}", score, n) for n, score in enumerate([0.5, 0.9, 0.9, 0.2, 0.9, 0.1])]
+    assert best_of(entries, "max").name == "c4" and best_of(entries, "min").name == "c5"
+    assert [e.name for e in retained(entries, 2, "max")] == ["c2", "c4", "c5"]  # c5: the latest
+    assert [e.name for e in retained(entries, 2, "min")] == ["c3", "c5"]
+    assert best_of([], "max") is None and retained([], 2, "max") == []
 
 
 def test_incomplete_checkpoint_is_never_loaded(tmp_path):
-    broken = tmp_path / "checkpoints" / "checkpoint_00000099"
+    broken = tmp_path / "checkpoint_00000099"
     broken.mkdir(parents=True)
     (broken / ckpt.MODEL).write_bytes(b"truncated")
-    assert LocalReporter(tmp_path).latest_checkpoint() is None
+    assert FolderReporter(tmp_path).latest_checkpoint() is None
     with pytest.raises(ckpt.CheckpointError, match="incomplete"):
         ckpt.load_model_weights(broken)
 
@@ -160,7 +176,7 @@ def test_an_epoch_checkpoint_without_an_eval_carries_no_score(tmp_path):
     ],
 )
 def test_cadence_decides_eval_and_checkpoint_in_one_place(step, epoch_ended, epochs_done, expected):
-    from raytpu.reports import Cadence
+    from raytpu.worker.cadence import Cadence
 
     every_5 = Cadence(total_steps=24, every_steps=5, eval_every_epochs=1)
     by_epoch = Cadence(total_steps=24, every_steps=0, eval_every_epochs=2)
@@ -179,8 +195,8 @@ class WarmupToyJob(ToyJob):
         self.seen.append((ctx.epoch, ctx.split))
         return super().eval_step(model, batch, ctx)
 
-    def counts_for_best(self, cfg, epoch: int) -> bool:
-        return epoch >= 1
+    def warmup_epochs(self, cfg) -> int:
+        return 1
 
 
 @pytest.mark.parametrize("every_steps", [0, 4])
@@ -189,7 +205,7 @@ def test_eval_gets_the_trained_epoch_and_warmup_evals_are_never_best(tmp_path, e
     (not the already incremented count at an epoch's end); epoch 0's evals score the worst."""
     cfg, _ = load_config(None, BASE + ["loop.epochs=3", f"checkpoint.every_steps={every_steps}"])
     job = WarmupToyJob()
-    reporter = LocalReporter(tmp_path)
+    reporter = FolderReporter(tmp_path)
     trainer = Trainer(cfg, job, make_runtime("cpu", "auto", 1, 0, 0), tmp_path, tmp_path, reporter)
     trainer.fit()
     evals = [0, 1, 2] if not every_steps else [0, 0, 1, 1, 2, 2]  # every 4 steps: at 4, 8, ..., 24
@@ -201,9 +217,9 @@ def test_eval_gets_the_trained_epoch_and_warmup_evals_are_never_best(tmp_path, e
     assert all(r["score"] == r["valid/mse"] for r in counted)
     assert trainer.progress.best == min(r["valid/mse"] for r in counted) == reports[-1]["best"]
 
-    cfg.checkpoint.weights = str(reporter.latest_checkpoint())
+    cfg = with_values(cfg, {"checkpoint.weights": str(reporter.latest_checkpoint())})
     job.seen.clear()
-    Trainer(cfg, job, make_runtime("cpu", "auto", 1, 0, 0), tmp_path, tmp_path, LocalReporter(tmp_path)).test()
+    Trainer(cfg, job, make_runtime("cpu", "auto", 1, 0, 0), tmp_path, tmp_path, FolderReporter(tmp_path)).test()
     assert {split for _, split in job.seen} == {"test"}
 
 
@@ -225,8 +241,8 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_ends_as_an_uninterrupted_r
     schedule = ["loop.epochs=3", "checkpoint.every_steps=5", "checkpoint.num_to_keep=3"]
     run(tmp_path / "straight", *schedule)
     with pytest.raises(RuntimeError, match="fault injected"):
-        run(tmp_path / "broken", *schedule, "loop.fail_at_step=13")
-    newest = tmp_path / "broken" / "checkpoints" / "checkpoint_00000010"
+        run(tmp_path / "broken", *schedule, "job.fail_at_step=13")
+    newest = tmp_path / "broken" / "checkpoint_00000010"
     damage(newest)
     capsys.readouterr()
     resumed = run(tmp_path / "broken", *schedule)
@@ -257,12 +273,12 @@ def test_a_full_disk_names_the_path_and_keeps_the_last_checkpoint(tmp_path, monk
     with pytest.raises(ckpt.CheckpointWriteError, match="No space left on device") as failure:
         run(tmp_path, *schedule)
     assert "model.safetensors" in str(failure.value) and "untouched" in str(failure.value)
-    kept = LocalReporter(tmp_path).latest_checkpoint()
+    kept = FolderReporter(tmp_path).latest_checkpoint()
     assert kept is not None and kept.name == "checkpoint_00000004"
     assert ckpt.load_model_weights(kept).keys() == final_weights(tmp_path).keys()
 
 
-class InterruptingReporter(LocalReporter):
+class InterruptingReporter(FolderReporter):
     """A reporter that answers ``reason`` when asked at ``step`` (the loop asks at log steps)."""
 
     def __init__(self, run_dir: Path, reason: str, step: int) -> None:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from jobs.mshnet.data import IRSTDDataset
-from jobs.mshnet.synth import synthesize
+from raytpu.jobs.mshnet.data import IRSTDDataset
+from raytpu.jobs.mshnet.synth import synthesize
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import jobs.mshnet as mshnet
-from jobs.mshnet import metrics
+import raytpu.jobs.mshnet as mshnet
 from raytpu.config import load_config
-from raytpu.job import StepContext, load_job
+from raytpu.job import StepContext, in_warmup, load_job
+from raytpu.jobs.mshnet import metrics
 
 SMALL_WIDTHS = [8, 8, 16, 16, 32]
 
@@ -111,7 +111,7 @@ def test_eval_scores_the_trained_head_and_only_post_warmup_evals_count_for_best(
             expected = metrics.batch_stats(logits, batch["mask"])
             assert {k: float(v) for k, v in stats.items()} == {k: float(v) for k, v in expected.items()}
             torch.testing.assert_close(images["prediction"], torch.sigmoid(logits))
-    assert [mshnet.JOB.counts_for_best(cfg, epoch) for epoch in range(5)] == [False, False, False, True, True]
+    assert [in_warmup(mshnet.JOB, cfg, epoch) for epoch in range(5)] == [True, True, True, False, False]
 
 
 def test_fusion_init_level0_passes_the_level0_head_through(cfg):

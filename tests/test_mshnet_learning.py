@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.mshnet.synth import synthesize
-from raytpu.checkpoint import LocalReporter
 from raytpu.config import load_config
-from raytpu.loop import Trainer
+from raytpu.jobs.mshnet.synth import synthesize
 from raytpu.runtime import make_runtime
+from raytpu.worker.loop import Trainer
+from raytpu.worker.reporting import FolderReporter
 
 SHORT_RUN = [
     "scaling.num_workers=1",
@@ -45,7 +45,7 @@ def test_small_recipe_learns_through_the_warmup_switch(tmp_path: Path, seed: int
     synthesize(data, n=200, size=64, seed=seed)
     cfg, job = load_config("jobs/mshnet/small.yaml", [f"data.path={data}", f"run.seed={seed}", *SHORT_RUN])
     torch.manual_seed(seed)
-    reporter = LocalReporter(tmp_path / "run")
+    reporter = FolderReporter(tmp_path / "run")
     trainer = Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), tmp_path / "run", data, reporter)
     trainer.fit()
     warm_epoch = cfg.job.warm_epoch

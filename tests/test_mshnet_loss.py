@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jobs.mshnet.loss import mshnet_loss, sls_iou_loss
-from jobs.mshnet.model import MSHNet
+from raytpu.jobs.mshnet.loss import mshnet_loss, sls_iou_loss
+from raytpu.jobs.mshnet.model import MSHNet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from jobs.mshnet import metrics
+from raytpu.jobs.mshnet import metrics
 
 
 def logits_from(*masks: np.ndarray) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jobs.mshnet.model import MSHNet, upsample
+from raytpu.jobs.mshnet.model import MSHNet, upsample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

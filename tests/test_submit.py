@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from raytpu.config import load_config
-from raytpu.submit import (
+from raytpu.driver.submit import (
     EXCLUDES,
     SubmitError,
     auth_headers,
@@ -274,7 +274,7 @@ def checkpoints(run: Path) -> list[Path]:
 def test_submit_mshnet_small_to_a_real_head(ray_head: dict, tmp_path: Path) -> None:
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    from jobs.mshnet.synth import synthesize
+    from raytpu.jobs.mshnet.synth import synthesize
 
     data = tmp_path / "data"
     synthesize(data, n=24, size=32)

@@ -1,4 +1,4 @@
-"""TPU slice arithmetic and torch_xla's multi-process PJRT environment (raytpu.tpu), checked without a TPU."""
+"""TPU slice arithmetic and torch_xla's multi-process PJRT environment (raytpu.runtime.tpu), checked without a TPU."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from raytpu.tpu import (
+from raytpu.runtime.tpu import (
     apply_env,
     check_num_workers,
     parse_pod_type,
@@ -396,7 +396,7 @@ def test_config_becomes_a_ray_tpu_scaling_config(accelerator, topology, layout, 
     from ray.train import ScalingConfig
 
     from raytpu.config import load_config
-    from raytpu.launcher import scaling_kwargs
+    from raytpu.driver.ray_trainer import scaling_kwargs
 
     cfg, _ = load_config(
         "jobs/mshnet/small.yaml",
@@ -417,7 +417,7 @@ def test_config_becomes_a_ray_tpu_scaling_config(accelerator, topology, layout, 
 
 def test_wrong_worker_count_for_the_slice_is_a_clear_error():
     from raytpu.config import load_config
-    from raytpu.launcher import scaling_kwargs
+    from raytpu.driver.ray_trainer import scaling_kwargs
 
     cfg, _ = load_config(
         "jobs/mshnet/small.yaml",
@@ -435,7 +435,7 @@ def test_wrong_worker_count_for_the_slice_is_a_clear_error():
 # ---------------------------------------------------------------- per-chip processes as Ray places them
 def test_chip_process_env_numbers_by_tpu_worker_id_not_by_ray_rank() -> None:
     """Ray put ranks 0-3 on TPU worker 1 and 4-7 on worker 0 (seen on the fake TPU cluster)."""
-    from raytpu.tpu import chip_process_env
+    from raytpu.runtime.tpu import chip_process_env
 
     spec = parse_pod_type("v4-16")
     placements = [(1, V4_16_HOSTS[1])] * 4 + [(0, V4_16_HOSTS[0])] * 4
@@ -447,7 +447,7 @@ def test_chip_process_env_numbers_by_tpu_worker_id_not_by_ray_rank() -> None:
 
 
 def test_chip_process_env_single_host() -> None:
-    from raytpu.tpu import chip_process_env
+    from raytpu.runtime.tpu import chip_process_env
 
     env = chip_process_env(5, [(0, "10.0.0.9")] * 8, parse_pod_type("v5litepod-8"))
     assert env == PJRT_CASES[1][1] | {
@@ -468,14 +468,14 @@ def test_chip_process_env_single_host() -> None:
     ],
 )
 def test_chip_process_env_errors(placements: list, message: str) -> None:
-    from raytpu.tpu import chip_process_env
+    from raytpu.runtime.tpu import chip_process_env
 
     with pytest.raises(ValueError, match=message):
         chip_process_env(0, placements, parse_pod_type("v4-16"))
 
 
 def test_tpu_worker_id_from_label_then_env() -> None:
-    from raytpu.tpu import tpu_worker_id
+    from raytpu.runtime.tpu import tpu_worker_id
 
     assert tpu_worker_id({"ray.io/tpu-worker-id": "3"}, {"TPU_WORKER_ID": "1"}) == 3
     assert tpu_worker_id({}, {"TPU_WORKER_ID": "1"}) == 1

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from raytpu.config import ConfigError, load_config
-from raytpu.search import Search, parse_search, searches_of
-from raytpu.tune import (
+from raytpu.config import ConfigError, load_config, with_values
+from raytpu.driver.search import Search, parse_search, searches_of
+from raytpu.driver.tune import (
     format_table,
     max_concurrent_trials,
     reports_per_trial,
@@ -123,19 +123,17 @@ def test_searches_are_checked_against_the_config():
 def test_lr_scaling():
     cfg, _ = load_config(SMALL, ["tune.lr_scaling=linear"])
     assert scaled_lr(0.1, 32, cfg.tune, 8) == pytest.approx(0.4)
-    cfg.tune.lr_scaling = "sqrt"
+    cfg = with_values(cfg, {"tune.lr_scaling": "sqrt"})
     assert scaled_lr(0.1, 32, cfg.tune, 8) == pytest.approx(0.2)
-    cfg.tune.reference_batch_size = 32
+    cfg = with_values(cfg, {"tune.reference_batch_size": 32})
     assert scaled_lr(0.1, 8, cfg.tune, 16) == pytest.approx(0.05)
-    cfg.tune.lr_scaling = "none"
+    cfg = with_values(cfg, {"tune.lr_scaling": "none"})
     assert scaled_lr(0.1, 32, cfg.tune, 8) == 0.1
 
 
 def test_trial_config_applies_values_then_scaling():
-    from raytpu.config import to_dict
-
     cfg, _ = load_config(SMALL, ["tune.lr_scaling=linear", "optim.lr=0.01"])
-    trial, _ = trial_config(to_dict(cfg), {"data.global_batch_size": 16, "optim.lr": 0.02})
+    trial = trial_config(cfg, {"data.global_batch_size": 16, "optim.lr": 0.02})
     assert trial.data.global_batch_size == 16 and trial.optim.lr == pytest.approx(0.04)
     assert cfg.optim.lr == 0.01  # the base is untouched
 
@@ -143,11 +141,11 @@ def test_trial_config_applies_values_then_scaling():
 def test_reports_per_trial():
     cfg, _ = load_config(SMALL, ["loop.epochs=7"])
     assert reports_per_trial(cfg) == 7
-    cfg.loop.max_steps, cfg.checkpoint.every_steps = 100, 30
+    cfg = with_values(cfg, {"loop.max_steps": 100, "checkpoint.every_steps": 30})
     assert reports_per_trial(cfg) == 4
-    cfg.tune.max_t = 3
+    cfg = with_values(cfg, {"tune.max_t": 3})
     assert reports_per_trial(cfg) == 3
-    cfg.tune.max_t, cfg.loop.max_steps = 0, 0
+    cfg = with_values(cfg, {"tune.max_t": 0, "loop.max_steps": 0})
     with pytest.raises(ConfigError, match="set tune.max_t"):
         reports_per_trial(cfg)
 
@@ -155,13 +153,12 @@ def test_reports_per_trial():
 def test_max_concurrent_trials_fits_the_workers_and_clamps_what_does_not(capsys):
     cfg, _ = load_config(SMALL, ["scaling.num_workers=2", "scaling.runtime=cpu"])
     assert max_concurrent_trials(cfg, [{"CPU": 8}]) == 4  # the trial's driver reserves no CPU
-    assert max_concurrent_trials(cfg, [{"CPU": 2}]) == 1  # the README's sweep on a 2-CPU machine
-    cfg.scaling.cpus_per_worker = 2.0
+    assert max_concurrent_trials(cfg, [{"CPU": 2}]) == 1  # the documented sweep on a 2-CPU machine
+    cfg = with_values(cfg, {"scaling.cpus_per_worker": 2.0})
     assert max_concurrent_trials(cfg, [{"CPU": 3}] * 4) == 2  # one 2-CPU worker per 3-CPU node, not 12 / 4 = 3
-    cfg.scaling.cpus_per_worker = 1.0
-    cfg.scaling.runtime = "cuda"
+    cfg = with_values(cfg, {"scaling.cpus_per_worker": 1.0, "scaling.runtime": "cuda"})
     assert max_concurrent_trials(cfg, [{"CPU": 64, "GPU": 4}]) == 2
-    cfg.scaling.runtime, cfg.tune.max_concurrent = "cpu", 2
+    cfg = with_values(cfg, {"scaling.runtime": "cpu", "tune.max_concurrent": 2})
     assert max_concurrent_trials(cfg, [{"CPU": 2}]) == 1
     assert "--max-concurrent 2: only 1 trial(s) of 2 worker(s) fit" in capsys.readouterr().out
     assert max_concurrent_trials(cfg, [{"CPU": 8}]) == 2
@@ -181,7 +178,7 @@ def read_rows(path: Path) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def mshnet_data(tmp_path_factory):
-    from jobs.mshnet import JOB
+    from raytpu.jobs.mshnet import JOB
 
     root = tmp_path_factory.mktemp("tune-data")
     JOB.synthesize(root, n=24, size=32, seed=0)
@@ -192,14 +189,13 @@ def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_sessi
     """An lr=1e-12 trial's training loss is its initial model's loss; the trained trials (grid
     order: they run first, 2 at a time) recorded lower losses at the first rung, so ASHA
     must stop both untrained trials there, whatever order the rest of the sweep takes."""
-    from raytpu import launcher
-    from raytpu.tune import run
+    from raytpu.driver import runs
+    from raytpu.driver.tune import run
 
     flags = ["--search", "optim.lr=grid(0.05, 0.03, 1e-12, 1e-12)", "--samples", "1", "--metric", "train/loss"]
     flags += ["--mode", "min", "--max-concurrent", "2", "--grace-period", "1", "--name", "asha"]
     rest, tuned, _ = split_flags(TINY + [f"data.path={mshnet_data}", f"run.storage_path={tmp_path}", *flags])
     cfg, job = load_config(SMALL, rest + tuned)
-    cfg.run.name = "mshnet-small"
     summary = run(cfg, job)
 
     rows = read_rows(tmp_path / "asha" / "results.csv")
@@ -222,8 +218,8 @@ def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_sessi
     cfg_best, job_best = load_config(best, [f"run.storage_path={tmp_path / 'best'}", "loop.epochs=1"])
     assert cfg_best.optim.lr in (0.05, 0.03) and cfg_best.scaling.runtime == "auto"
     assert Path(cfg_best.data.path) == mshnet_data
-    trained = launcher.train(cfg_best, job_best)
-    assert trained["best_checkpoint"] and Path(trained["best_checkpoint"], "model.safetensors").is_file()
+    trained = runs.train(cfg_best, job_best)
+    assert trained.best_checkpoint and Path(trained.best_checkpoint, "model.safetensors").is_file()
 
 
 def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session, tmp_path, mshnet_data):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jobs.mshnet.synth import synthesize
+from raytpu.jobs.mshnet.synth import synthesize
 from tests.conftest import XlaProbe, run_python
 
 pytestmark = pytest.mark.xla
@@ -15,9 +15,9 @@ pytestmark = pytest.mark.xla
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """MSHNet's IRSTD-format set, its Ray Data tables, and a CDEIT set."""
-    from jobs.cdeit.synth import synthesize as synthesize_eit
-    from raytpu import ingest
     from raytpu.config import load_config
+    from raytpu.jobs.cdeit.synth import synthesize as synthesize_eit
+    from raytpu.storage import tables as ingest
 
     root = tmp_path_factory.mktemp("xla")
     synthesize(root / "mshnet", n=24, size=32, seed=0)
@@ -152,7 +152,7 @@ def test_recompile_guard_fails_a_strict_run(tmp_path):
 def test_cdeit_sampler_compiles_one_graph_for_all_test_batches(tmp_path):
     """10 test samples in batches of 4: three sampler calls (the last one padded to 4)
     share one compiled graph; a second test pass compiles nothing."""
-    from jobs.cdeit.synth import synthesize as synthesize_eit
+    from raytpu.jobs.cdeit.synth import synthesize as synthesize_eit
 
     synthesize_eit(tmp_path / "cdeit", n_train=4, n_valid=2, n_test=10, size=32, seed=0)
     args = ["-m", "tests.xla_sampler_probe", str(tmp_path / "cdeit"), str(tmp_path / "run"), "4", *CDEIT_SHALLOW]

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
 
 
-@dataclass
+@dataclass(frozen=True)
 class ToyConfig(JobConfig):
     name: str = "tests.toy_job"
     samples: int = 64
@@ -32,6 +32,8 @@ class ToyConfig(JobConfig):
     oom_above: int = -1  # raise an out-of-memory error on a micro-batch of more samples than this (-1: never)
     oom_kind: str = "xla"  # which error: xla (a device buffer), xla_compile (the program), cuda
     oom_rank: int = -1  # only this rank runs out of memory (-1: every rank)
+    fail_at_step: int = 0  # fault injection: a training step raises at this step (0 = never)
+    constant_metric: float = -1.0  # evaluations report this mse (>= 0): a tie between checkpoints
 
 
 #: the out-of-memory errors a toy step raises, as each runtime raises them
@@ -93,6 +95,9 @@ class ToyJob(Job):
         (out / "READY").write_text("toy data is generated in memory\n")
         (out / "toy.json").write_text(json.dumps(options))  # what `raytpu data prepare` writes out
 
+    def synth_options(self, cfg: Any) -> dict[str, Any]:
+        return {}
+
     # the Ray Data seam: the in-memory samples as tables, `index` = `id`
     def table_names(self, src: Path) -> list[str]:
         return ["train", "valid", "test"]
@@ -112,6 +117,8 @@ class ToyJob(Job):
         return decode
 
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
+        if ctx.step + 1 == ctx.config.job.fail_at_step:
+            raise RuntimeError(f"fault injected by job.fail_at_step={ctx.config.job.fail_at_step}")
         if ctx.config.job.pid_dir:
             Path(ctx.config.job.pid_dir, str(os.getpid())).touch()
         time.sleep(ctx.config.job.step_sleep)
@@ -132,6 +139,8 @@ class ToyJob(Job):
 
     def eval_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> Batch:
         error = (model(batch["x"]) - batch["y"]).pow(2).sum()
+        if ctx.config.job.constant_metric >= 0:  # every evaluation ties
+            error = torch.tensor(ctx.config.job.constant_metric * len(batch["x"]))
         return {"sse": error, "count": torch.tensor(float(len(batch["x"])))}
 
     def finish_eval(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:

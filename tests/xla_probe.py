@@ -24,12 +24,12 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics as met
 
-from raytpu.callbacks import Callback
-from raytpu.checkpoint import LocalReporter
 from raytpu.config import load_config
-from raytpu.launcher import resolve_data_root
-from raytpu.loop import Trainer
+from raytpu.driver.runs import resolve_data_root
 from raytpu.runtime import make_runtime
+from raytpu.worker.callbacks import Callback
+from raytpu.worker.loop import Trainer
+from raytpu.worker.reporting import FolderReporter
 
 
 def ray_datasets(cfg, job) -> dict | None:
@@ -38,13 +38,13 @@ def ray_datasets(cfg, job) -> dict | None:
         return None
     import ray
 
-    from raytpu import ingest
+    from raytpu.driver.ray_trainer import read_datasets
 
     if not ray.is_initialized() and os.environ.get("RAY_ADDRESS"):  # the tests' session instance
         ray.init(log_to_driver=False)
     elif not ray.is_initialized():
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    return {split: data.iterator() for split, data in ingest.read_datasets(cfg, job, "train").items()}
+    return {split: data.iterator() for split, data in read_datasets(cfg, job, "train").items()}
 
 
 def compiles() -> int:
@@ -91,8 +91,9 @@ def probe_run(warmup: int, overrides: list[str]) -> dict:
     met.clear_all()
     cfg, job = load_config(None, ["logging.progress_bar=false", "logging.eval_images=0", *overrides])
     runtime = make_runtime("xla", cfg.scaling.precision, 1, 0, 0, cfg.xla)
-    # a named run (run.name) is kept in run.storage_path, so that a later run of the same name resumes it
-    run_dir = Path(cfg.run.storage_path) / cfg.run.name if cfg.run.name else Path(tempfile.mkdtemp(prefix="xla-probe-"))
+    # a named run (run.name given) is kept in run.storage_path, so that a later run of the same name resumes it
+    named = any(word.startswith("run.name=") for word in overrides)
+    run_dir = Path(cfg.run.storage_path) / cfg.run.name if named else Path(tempfile.mkdtemp(prefix="xla-probe-"))
     data_root = resolve_data_root(cfg, job) if cfg.data.path else run_dir
     probe = Probe(warmup)
     job_train_step = job.train_step
@@ -104,7 +105,7 @@ def probe_run(warmup: int, overrides: list[str]) -> dict:
         return job_train_step(model, batch, ctx)
 
     job.train_step = probe_job_step  # on the instance, for this run
-    reporter = LocalReporter(run_dir)
+    reporter = FolderReporter(run_dir)
     trainer = Trainer(cfg, job, runtime, run_dir, data_root, reporter, ray_datasets(cfg, job), [probe])
     try:
         trainer.fit()

@@ -2,7 +2,7 @@
 
 Any Transformers causal-LM architecture (``job.model_type`` with ``job.model_config`` in
 Transformers' own names, or a ``save_pretrained`` folder in ``job.model_name_or_path``), trained
-on packed blocks of a tokenized corpus made on the machine (``jobs.causal_lm.corpus``). The loss
+on packed blocks of a tokenized corpus made on the machine (``raytpu.jobs.causal_lm.corpus``). The loss
 is the model's own (``model(input_ids, labels=input_ids).loss``); validation reports the
 held-out perplexity; ``raytpu export`` writes a folder ``from_pretrained`` loads.
 
@@ -25,13 +25,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from jobs.causal_lm import corpus
 from raytpu.config import Config
-from raytpu.flops import matmul_parameters, transformer_flops_per_token
 from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
+from raytpu.jobs.causal_lm import corpus
+from raytpu.worker.flops import matmul_parameters, transformer_flops_per_token
 
 
-@dataclass
+@dataclass(frozen=True)
 class CausalLMConfig(JobConfig):
     name: str = "causal_lm"
     model_type: str = "llama"  # any causal-LM model_type of Transformers (llama, gpt2, qwen2, mistral, ...)
@@ -98,6 +98,7 @@ class CausalLMJob(Job):
         "--block_size": "job.seq_len",  # Transformers' run_clm.py
         "--model_type": "job.model_type",
     }
+    requires = ("transformers", "tokenizers")
     stats_files = (*corpus.TOKENIZER_FILES, corpus.CORPUS_FILE)
     rows_per_file = 4096
 

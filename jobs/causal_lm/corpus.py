@@ -2,7 +2,7 @@
 
 The default corpus is a pinned list of the Python standard library's own source files, read
 from this interpreter's ``stdlib`` folder: nothing is downloaded and, for one Python version,
-the figures reproduce (the README's are for CPython 3.11). Any folder of text files can be used
+the figures reproduce (docs/causal-lm.md's are for CPython 3.11). Any folder of text files can be used
 instead (``--corpus DIR``). Documents are split by file, so the held-out text is code the model
 never saw, and joined with the end-of-text token.
 

@@ -21,17 +21,24 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from jobs.cdeit import synth
-from jobs.cdeit.data import EVAL_SETS, EITDataset, eval_dataset, find_stats, normalise_voltages, resolve_data_root
-from jobs.cdeit.diffusion import Diffusion, pixel_errors
-from jobs.cdeit.model import DiT, DiTConfig, training_flops
 from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
+from raytpu.jobs.cdeit import synth
+from raytpu.jobs.cdeit.data import (
+    EVAL_SETS,
+    EITDataset,
+    eval_dataset,
+    find_stats,
+    normalise_voltages,
+    resolve_data_root,
+)
+from raytpu.jobs.cdeit.diffusion import Diffusion, pixel_errors
+from raytpu.jobs.cdeit.model import DiT, DiTConfig, training_flops
 
 DIFFUSION = Diffusion()
 LOSSES = ("l1", "mse")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CDEITConfig(JobConfig):
     name: str = "cdeit"
     image_size: int = 128
@@ -214,7 +221,7 @@ class CDEITJob(Job):
     # ------------------------------------------------------------ throughput
     def flops_per_sample(self, cfg: Any, model: nn.Module) -> float:
         """One denoiser forward and backward per training sample, counted by formula
-        (:func:`jobs.cdeit.model.training_flops`; the paper's model: 860 GFLOP, small.yaml 0.72). No tokens: an
+        (:func:`raytpu.jobs.cdeit.model.training_flops`; the paper's model: 860 GFLOP, small.yaml 0.72). No tokens: an
         image is no sequence, so CDEIT's throughput is in samples/s."""
         return float(training_flops(model_config(cfg.job)))
 

@@ -368,7 +368,7 @@ def count_parameters(model: nn.Module) -> int:
 
 def training_flops(cfg: DiTConfig) -> int:
     """Training FLOPs of one sample, counted by hand: 3x the forward's matmul and convolution
-    FLOPs (2 per multiply-add), the convention of ``raytpu.flops``; elementwise work is left out.
+    FLOPs (2 per multiply-add), the convention of ``raytpu.worker.flops``; elementwise work is left out.
 
     The forward's count equals what ``torch.utils.flop_counter.FlopCounterMode`` counts for
     :class:`DiT` (attention through the math kernel), checked in ``tests/test_flops.py``; a real

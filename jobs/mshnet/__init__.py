@@ -12,14 +12,22 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from jobs.mshnet import metrics
-from jobs.mshnet.data import IMAGENET_MEAN, IMAGENET_STD, LISTS, IRSTDDataset, IRSTDTransform, decode_pair, read_names
-from jobs.mshnet.loss import mshnet_loss
-from jobs.mshnet.model import MSHNet, init_fusion_as_level0
 from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
+from raytpu.jobs.mshnet import metrics
+from raytpu.jobs.mshnet.data import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    LISTS,
+    IRSTDDataset,
+    IRSTDTransform,
+    decode_pair,
+    read_names,
+)
+from raytpu.jobs.mshnet.loss import mshnet_loss
+from raytpu.jobs.mshnet.model import MSHNet, init_fusion_as_level0
 
 
-@dataclass
+@dataclass(frozen=True)
 class MSHNetConfig(JobConfig):
     """The ``job:`` section of an MSHNet config (defaults: the paper's IRSTD-1k settings)."""
 
@@ -33,7 +41,7 @@ class MSHNetConfig(JobConfig):
     synth_size: int = 256
     legacy_fa: bool = False  # count Fa as the authors' PD_FA does (see jobs/mshnet/metrics.py)
     # the fusion conv's initial weights: "random" (PyTorch's default, the authors'), or "level0":
-    # the fused output starts equal to the level-0 head (see jobs.mshnet.model.init_fusion_as_level0)
+    # the fused output starts equal to the level-0 head (see raytpu.jobs.mshnet.model.init_fusion_as_level0)
     fusion_init: str = "random"
 
 
@@ -98,7 +106,7 @@ class MSHNetJob(Job):
         return IRSTDDataset(data_root, source, cfg.job.base_size, cfg.job.crop_size, cfg.run.seed)
 
     def synthesize(self, out: Path, n: int = 100, size: int = 128, seed: int = 0) -> None:
-        from jobs.mshnet.synth import synthesize  # scikit-image's filters: only when data is made
+        from raytpu.jobs.mshnet.synth import synthesize  # scikit-image's filters: only when data is made
 
         synthesize(out, n=n, size=size, seed=seed)
 
@@ -149,13 +157,10 @@ class MSHNetJob(Job):
         warm-up, the level-0 head being trained during it (the authors' ``test(epoch)``)."""
         return ctx.split == "test" or self.warm(ctx.config, ctx.epoch)
 
-    def unused_parameters(self, cfg: Any, epoch: int) -> bool:
-        """Warm-up skips the side heads and the fusion conv."""
-        return not self.warm(cfg, epoch)
-
-    def counts_for_best(self, cfg: Any, epoch: int) -> bool:
-        """Only evaluations of the fused output, after warm-up, can be the best checkpoint."""
-        return self.warm(cfg, epoch)
+    def warmup_epochs(self, cfg: Any) -> int:
+        """Epochs 0..warm_epoch train the level-0 head alone (the side heads and the fusion conv get
+        no gradient); their evaluations are logged, never the best checkpoint."""
+        return cfg.job.warm_epoch + 1
 
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
         """SLS loss; a Python flag picks the phase, so on XLA the switch is one extra graph."""

@@ -1,4 +1,4 @@
-"""Documented dense bf16 peak FLOP/s per device, for model FLOPs utilisation (``raytpu.flops``).
+"""Documented dense bf16 peak FLOP/s per device, for model FLOPs utilisation (``raytpu.worker.flops``).
 
 Dense figures: NVIDIA's datasheets print "with sparsity" numbers twice the dense ones, halved here.
 A run in fp16 has the same peak on these GPUs; a run in fp32 is still measured against the bf16

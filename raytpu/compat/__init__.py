@@ -1,0 +1,1 @@
+"""Hugging Face compatibility: TrainingArguments flags and `raytpu launch` of Accelerate scripts."""

@@ -1,0 +1,223 @@
+"""``raytpu launch``: an existing Accelerate (or plain ``torch.distributed``) script, unchanged, on
+Ray Train workers.
+
+The driver side: the options (named as ``accelerate launch`` names them where the meaning is
+shared), the checks that refuse a launch which can never fit, a ``TorchTrainer`` whose workers
+run the script as ``__main__`` (``raytpu.compat.script_runner``), and the run's outcome: the script's exit
+status becomes the command's. Scripts may call :func:`report` to send metrics to Ray (a no-op
+when the script runs without ``raytpu launch``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raytpu.compat.script_runner import RESUME_ENV, STATE_ENV, last_state_number, report
+from raytpu.config import CheckpointConfig, Config, RunConfig, ScalingConfig, build_dataclass, with_values
+from raytpu.config.plan import Plan, ScriptPlan, storage_of
+from raytpu.config.validation import check_number
+from raytpu.errors import ConfigError, RunFailed
+from raytpu.runtime.base import resolve_precision
+
+#: ``--mixed_precision`` (Accelerate's names) -> raytpu's precision policy, and back
+PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "auto": "auto"}
+ACCELERATE_NAMES = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
+#: what scripts and tests import from here: ``report`` and the names of the launch environment
+__all__ = ["RESUME_ENV", "STATE_ENV", "LaunchSettings", "add_launch_arguments", "main", "report", "settings_from"]
+LAUNCH_TEXT = "run an existing Accelerate / torch.distributed script, unchanged, on Ray Train workers"
+
+
+def add_launch_arguments(launch: argparse.ArgumentParser) -> None:
+    """``raytpu launch``'s options (also read by ``raytpu submit launch``)."""
+    launch.add_argument("--num_processes", "--num-processes", type=int, help="processes (Ray workers), default 1")
+    launch.add_argument("--mixed_precision", "--mixed-precision", help="no | fp16 | bf16 | auto (default: auto)")
+    launch.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", type=int)
+    launch.add_argument("--runtime", help="cpu | cuda | xla | auto (default: auto, from the cluster)")
+    launch.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray instance)")
+    launch.add_argument("--tpu-accelerator-type", help="TPU slice type, e.g. TPU-V5LITEPOD (one process per chip)")
+    launch.add_argument("--tpu-topology", help="TPU slice topology, e.g. 2x4")
+    launch.add_argument("--max-failures", type=int, help="restarts after lost processes (default 0; -1: always)")
+    launch.add_argument("--name", help="run name (default: the script's stem); the same name resumes")
+    launch.add_argument("--storage-path", help="where runs are kept (default ./results)")
+    launch.add_argument("--cpus-per-worker", type=float, help="CPUs each process reserves (default 1)")
+    launch.add_argument("--config", help="YAML with scaling:, run: and checkpoint: sections (as raytpu train)")
+    launch.add_argument("--verbose", action="store_true", help="show Ray's own log lines too")
+    launch.add_argument("script", help="the training script, e.g. examples/accelerate/train.py")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments, untouched")
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """Everything ``raytpu launch`` was asked, checked on the driver: the script, and the config
+    that schedules it (its ``scaling``, ``run`` and ``checkpoint`` sections)."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    config: Config = field(default_factory=Config)
+    mixed_precision: str = "auto"  # no | fp16 | bf16 | auto
+    gradient_accumulation_steps: int = 1
+
+    @property
+    def scaling(self) -> ScalingConfig:
+        return self.config.scaling
+
+    @property
+    def run(self) -> RunConfig:
+        return self.config.run
+
+
+#: ``raytpu launch`` options -> the config keys they set
+FLAG_KEYS = {
+    "num_processes": "scaling.num_workers",
+    "runtime": "scaling.runtime",
+    "cpus_per_worker": "scaling.cpus_per_worker",
+    "name": "run.name",
+    "storage_path": "run.storage_path",
+    "max_failures": "checkpoint.max_failures",
+}
+
+
+def settings_from(args: Any) -> LaunchSettings:
+    """The parsed ``raytpu launch`` arguments (and ``--config``'s sections), checked."""
+    sections = read_sections(args.config) if args.config else {}
+    cfg = Config(
+        scaling=build_dataclass(ScalingConfig, sections.get("scaling"), "scaling."),
+        run=build_dataclass(RunConfig, sections.get("run"), "run."),
+        checkpoint=build_dataclass(CheckpointConfig, sections.get("checkpoint"), "checkpoint."),
+    )
+    values = {key: getattr(args, flag) for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
+    if args.tpu_accelerator_type:  # Accelerate has no SPMD mode: one process per chip
+        values.update({"scaling.tpu.accelerator_type": args.tpu_accelerator_type, "scaling.tpu.layout": "multiprocess"})
+        values["scaling.tpu.topology"] = args.tpu_topology or ""
+    values["logging.verbose"] = bool(args.verbose)
+    if not (values.get("run.name") or cfg.run.name):
+        values["run.name"] = Path(args.script).stem
+    settings = LaunchSettings(
+        script=args.script,
+        script_args=tuple(args.script_args),
+        config=with_values(cfg, values),
+        mixed_precision=args.mixed_precision or "auto",
+        gradient_accumulation_steps=args.gradient_accumulation_steps or 1,
+    )
+    check(settings)
+    return settings
+
+
+def read_sections(path: str) -> dict[str, Any]:
+    from raytpu.config import read_yaml
+
+    if not Path(path).is_file():
+        raise ConfigError(f"--config {path!r} not found; pass a YAML file with a scaling: section")
+    raw = read_yaml(Path(path)) or {}
+    unknown = sorted(set(raw) - {"scaling", "run", "checkpoint"})
+    if unknown:
+        raise ConfigError(
+            f"--config {path}: raytpu launch reads the scaling, run and checkpoint sections, not {unknown}"
+        )
+    return raw
+
+
+def check(settings: LaunchSettings) -> None:
+    script = Path(settings.script)
+    if not script.is_file():
+        raise ConfigError(f"script {settings.script!r} not found; give the path of the training script to run")
+    if settings.mixed_precision not in PRECISIONS:
+        raise ConfigError(f"--mixed_precision {settings.mixed_precision!r} is not one of {', '.join(PRECISIONS)}")
+    if settings.scaling.runtime not in ("auto", "cpu", "cuda", "xla"):
+        raise ConfigError(f"--runtime {settings.scaling.runtime!r} is not one of auto, cpu, cuda, xla")
+    check_number("--num_processes", settings.scaling.num_workers, (1, True))
+    check_number("--gradient_accumulation_steps", settings.gradient_accumulation_steps, (1, True))
+    check_number("--cpus-per-worker", settings.scaling.cpus_per_worker, (0, True))
+    check_number("--max-failures", settings.config.checkpoint.max_failures, (-1, True))
+
+
+# ------------------------------------------------------------------ the run
+def main(args: Any, address: str | None) -> int:
+    """``raytpu launch``: run the script on Ray Train workers; the script's exit status."""
+    settings = settings_from(args)
+    plan = plan_launch(settings, address)
+    return run(plan)
+
+
+def plan_launch(settings: LaunchSettings, address: str | None) -> Plan:
+    """The checks, the cluster joined, and the launch's plan (the script's own, and its processes')."""
+    from raytpu.driver import preflight
+    from raytpu.driver.cluster import check_reachable, connect
+    from raytpu.driver.runs import cluster_accelerators
+    from raytpu.runtime.base import pick_runtime
+
+    cfg = settings.config
+    preflight.check_storage(cfg)
+    check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
+    connect(address, verbose=cfg.logging.verbose)
+    accelerators = cluster_accelerators()
+    runtime = pick_runtime(cfg.scaling.runtime, accelerators["TPU"] > 0, accelerators["GPU"] > 0)
+    precision, warning = resolve_precision(runtime, PRECISIONS[settings.mixed_precision])
+    cfg = with_values(cfg, {"scaling.runtime": runtime, "scaling.precision": precision})
+    preflight.check_fit(preflight.worker_bundles(cfg), f"{cfg.scaling.num_workers} {runtime} process(es)")
+    if warning:
+        print(f"raytpu: warning: {warning}", file=sys.stderr, flush=True)
+    print(
+        f"raytpu: launch {settings.script} as run {cfg.run.name}: {cfg.scaling.num_workers} {runtime} "
+        f"process(es), mixed precision {ACCELERATE_NAMES[precision]}",
+        flush=True,
+    )
+    storage = storage_of(cfg)
+    script = ScriptPlan(
+        path=str(Path(settings.script).resolve()),
+        args=settings.script_args,
+        working_dir=os.getcwd(),
+        mixed_precision=ACCELERATE_NAMES[precision],
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        state=f"raytpu-launch-{uuid.uuid4().hex[:12]}",
+        last_checkpoint=last_state_number(checkpoint_names(Path(storage) / cfg.run.name)),
+    )
+    return Plan(config=cfg, mode="launch", storage=storage, name=cfg.run.name, script=script)
+
+
+def run(plan: Plan) -> int:
+    """The launch's ``TorchTrainer`` to the end; the script's exit status (its own error: one line)."""
+    import ray
+    from ray.train import TrainingFailedError
+
+    from raytpu.compat.script_runner import LaunchState
+    from raytpu.driver.ray_trainer import build_trainer, root_cause
+
+    assert plan.script is not None
+    state = ray.remote(num_cpus=0)(LaunchState).options(name=plan.script.state).remote(plan.script.last_checkpoint)
+    try:
+        build_trainer(plan).fit()
+    except TrainingFailedError as exc:
+        if ray.get(state.failure.remote()) is None:  # a lost process, retried up to --max-failures
+            raise RunFailed(*root_cause(exc)) from exc
+    failure = ray.get(state.failure.remote())
+    print(f"raytpu: logs of every process: {plan.run_dir}/logs", flush=True)
+    if failure is None:
+        return 0
+    rank, code, details = failure
+    if code == 1 and details:
+        last = details.strip().splitlines()[-1]
+        raise RunFailed(f"rank {rank}: {last}", details)
+    print(f"raytpu: rank {rank} exited with status {code}", file=sys.stderr, flush=True)
+    return code
+
+
+def checkpoint_names(run_dir: Path) -> list[str]:
+    """The checkpoint folders a run already has: in its folder, and in the list Ray Train keeps
+    of them (``checkpoint_manager_snapshot.json``), which may name one a crash left unwritten."""
+    names = [path.name for path in run_dir.iterdir()] if run_dir.is_dir() else []
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    if snapshot.is_file():
+        try:
+            results = json.loads(snapshot.read_text()).get("checkpoint_results", [])
+            names += [str(result.get("checkpoint_dir_name", "")) for result in results]
+        except (OSError, ValueError, AttributeError):
+            pass  # an unreadable snapshot: Ray Train itself reports it when the run starts
+    return names

@@ -1,0 +1,317 @@
+"""The worker side of ``raytpu launch``: one Ray Train worker runs the user's script as ``__main__``.
+
+Before the script starts, each worker gets the environment Accelerate and ``torch.distributed``
+expect (Ray's ``TorchConfig`` has already joined the processes in a process group and set
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``):
+
+* cpu: ``USE_TORCH_XLA=0`` (Accelerate would pick its XLA mode whenever torch_xla imports) and
+  ``ACCELERATE_USE_CPU=true`` (so that it distributes over the gloo group, not one process each);
+* cuda: ``USE_TORCH_XLA=0``; Ray sets the device (``ACCELERATE_TORCH_DEVICE``) and NCCL;
+* xla: the per-chip PJRT environment of ``raytpu.runtime.tpu`` on a TPU slice, so that Accelerate reads
+  world size and ordinal from torch_xla.
+
+``ACCELERATE_MIXED_PRECISION`` and ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` carry the launch
+options; on XLA an fp16 request in the script's own ``Accelerator(...)`` becomes bf16 with a
+warning. Checkpoints: when rank 0's ``accelerator.save_state(dir)`` returns, the directory is
+published to the run's :class:`LaunchState` actor, and a thread on *every* worker reports each
+published entry through the worker's reporter (``raytpu.worker.reporting``; a Ray Train report
+is a barrier: all workers report the same entries, in their own threads, so a script that saves
+on its main process only never blocks, and no worker waits on another's training code). A
+restarted worker finds the reporter's latest checkpoint in ``RAYTPU_RESUME_FROM`` and
+``accelerator.load_state()`` reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import runpy
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from raytpu.config.plan import Plan, ScriptPlan
+from raytpu.worker.reporting import Reporter
+
+#: environment variable naming the run's launch-state actor inside a launched script
+STATE_ENV = "RAYTPU_LAUNCH_STATE"
+#: environment variable holding the checkpoint a restarted script resumes from
+RESUME_ENV = "RAYTPU_RESUME_FROM"
+
+
+def report(metrics: dict[str, Any]) -> None:
+    """Send ``metrics`` (numbers) to Ray Train from a launched script's main process; outside
+    ``raytpu launch`` it does nothing, so a script keeps running under ``python`` or
+    ``accelerate launch``."""
+    name = os.environ.get(STATE_ENV)
+    if not name or os.environ.get("RANK", "0") != "0":
+        return
+    import ray
+
+    ray.get_actor(name).publish.remote("metrics", {k: float(v) for k, v in metrics.items()})
+
+
+#: the name of a launched run's checkpoint folders: ``state_000001``, ... counted over every attempt
+#: and every rerun of the run (a rerun continues after the highest number the run folder holds)
+STATE_DIR = re.compile(r"^state_(\d{6,})$")
+
+
+def state_dir_name(number: int) -> str:
+    return f"state_{number:06d}"
+
+
+def last_state_number(names: Iterable[str]) -> int:
+    """The highest ``state_N`` among ``names`` (0 when there is none)."""
+    return max((int(match.group(1)) for match in map(STATE_DIR.match, names) if match), default=0)
+
+
+class LaunchState:
+    """The Ray actor of one launched run: what rank 0 published (checkpoints and metrics), which
+    ranks finished, and the first failure of the script (rank, exit status, traceback).
+
+    ``last_checkpoint``: the highest checkpoint number the run folder already holds (a rerun of
+    the same ``--name``); the checkpoints published now are numbered after it, so that their
+    folders never take the name of one the run already has."""
+
+    def __init__(self, last_checkpoint: int = 0) -> None:
+        self.checkpoints = last_checkpoint
+        self.entries: list[tuple[str, Any]] = []
+        self.read = 0  # entries before this index were polled by a worker: they never change again
+        self.finished: set[int] = set()
+        self.failed: tuple[int, int, str] | None = None
+        self.workers: dict[int, Any] = {}
+
+    def register(self, rank: int, actor: Any) -> None:
+        """This attempt's worker actor of ``rank`` (a restart registers the new ones)."""
+        self.workers[rank] = actor
+
+    def peers(self, rank: int) -> list[Any]:
+        return [actor for other, actor in self.workers.items() if other != rank]
+
+    def publish(self, kind: str, value: Any) -> None:
+        """Add an entry. Metrics logged while the previous metrics entry is still unread join it:
+        every ``ray.train.report`` is a barrier of all workers that costs about a second, so a
+        script that logs every few milliseconds must not queue one report per log call."""
+        last = len(self.entries) - 1
+        if kind == "metrics" and last >= self.read and self.entries[last][0] == "metrics":
+            self.entries[last] = ("metrics", {**self.entries[last][1], **value})
+            return
+        if kind == "checkpoint":
+            self.checkpoints += 1
+            value = (value, state_dir_name(self.checkpoints))
+        self.entries.append((kind, value))
+
+    def finish(self, rank: int) -> None:
+        self.finished.add(rank)
+
+    def size(self) -> int:
+        return len(self.entries)
+
+    def poll(self, index: int, world: int) -> tuple[list[tuple[str, Any]], bool]:
+        """The entries from ``index`` on, and whether they are the last (every rank finished, or
+        the script failed): one actor call, so the two answers agree. Every worker sees the same
+        entries, whenever it polls: a polled entry is never merged into again."""
+        self.read = max(self.read, len(self.entries))
+        return self.entries[index:], len(self.finished) >= world or self.failed is not None
+
+    def fail(self, rank: int, code: int, details: str) -> None:
+        if self.failed is None:
+            self.failed = (rank, code, details)
+
+    def failure(self) -> tuple[int, int, str] | None:
+        return self.failed
+
+
+def run_script_worker(plan: Plan, seat: Any, reporter: Reporter) -> None:
+    """One worker of ``raytpu launch`` (``raytpu.worker.entry.run``): the script, its output,
+    checkpoints and outcome."""
+    import ray
+
+    script, rank = plan.script, seat.rank
+    assert script is not None
+    state = ray.get_actor(script.state)
+    if ray.get(state.failure.remote()) is not None:
+        return  # the script failed in an earlier attempt: a script's own error is never retried
+    logs = Path(plan.run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    restore_output = capture_output(logs / f"rank_{rank}.log", to_console=rank == 0)
+    runtime = plan.config.scaling.runtime
+    if runtime == "xla":
+        os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
+    os.environ.update(process_environment(script, runtime))
+    patch_accelerate(runtime, script.state, rank)
+    resume = reporter.latest_checkpoint()
+    if resume is not None:
+        os.environ[RESUME_ENV] = str(resume)
+    ray.get(state.register.remote(rank, ray.get_runtime_context().current_actor))
+    # entries of an earlier attempt were reported then, or lost with it: report only new ones
+    first = ray.get(state.size.remote())
+    publisher = threading.Thread(target=report_published, args=(state, reporter, first), daemon=True)
+    publisher.start()
+    code, details = run_script(script)
+    restore_output()
+    if code and peer_lost(state, rank):
+        raise RuntimeError(f"rank {rank}: a peer process was lost (this rank's error follows from it):\n{details}")
+    if code:
+        ray.get(state.fail.remote(rank, code, details))
+        raise RuntimeError(f"the script exited with status {code}" + (f":\n{details}" if details else ""))
+    ray.get(state.finish.remote(rank))
+    publisher.join()
+
+
+def peer_lost(state: Any, rank: int, timeout_s: float = 10.0) -> bool:
+    """Whether another worker of this attempt is gone: a script that fails because a peer was
+    killed (a collective that lost its peer) is not the script's own error, and Ray Train may
+    restart the group (``--max-failures``); one that fails with every peer alive ends the run."""
+    import ray
+
+    for actor in ray.get(state.peers.remote(rank)):
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return True
+    return False
+
+
+def run_script(script: ScriptPlan) -> tuple[int, str]:
+    """Run the script as ``__main__`` with its own argv, directory and imports: (status, traceback)."""
+    os.chdir(script.working_dir)
+    sys.argv = [script.path, *script.args]
+    sys.path.insert(0, str(Path(script.path).parent))
+    try:
+        runpy.run_path(script.path, run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        return code, "" if isinstance(exit_.code, int) or exit_.code is None else str(exit_.code)
+    except BaseException:  # the script's own error: its traceback, then the run ends
+        return 1, traceback.format_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return 0, ""
+
+
+def process_environment(script: ScriptPlan, runtime: str) -> dict[str, str]:
+    """What a launched process adds to its environment: the launch options for Accelerate, and the
+    switch that keeps Accelerate (and Transformers) on or off XLA. On a TPU slice the chip's PJRT
+    environment is already set (``raytpu.worker.entry.configure_chip_process``)."""
+    env = {
+        STATE_ENV: script.state,
+        "ACCELERATE_MIXED_PRECISION": script.mixed_precision,
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(script.gradient_accumulation_steps),
+    }
+    env["USE_TORCH_XLA"] = "1" if runtime == "xla" else "0"  # the driver's own "0" must not reach an XLA worker
+    if runtime == "cpu":
+        env["ACCELERATE_USE_CPU"] = "true"
+    return env
+
+
+def patch_accelerate(runtime: str, state_name: str, rank: int) -> None:
+    """Hooks on Accelerate's ``Accelerator`` for launched scripts (only when it is installed):
+    fp16 -> bf16 on XLA, ``save_state`` published, ``log`` forwarded, ``load_state()`` resuming."""
+    try:
+        from accelerate import Accelerator
+    except ImportError:
+        return
+    import ray
+
+    init, save_state, load_state, log = (
+        Accelerator.__init__,
+        Accelerator.save_state,
+        Accelerator.load_state,
+        Accelerator.log,
+    )
+
+    def patched_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if runtime == "xla" and kwargs.get("mixed_precision") == "fp16":
+            warnings.warn("mixed_precision fp16 is not supported on XLA/TPU; using bf16 instead", stacklevel=2)
+            kwargs["mixed_precision"] = "bf16"
+        init(self, *args, **kwargs)
+        if runtime == "xla" and self.state.mixed_precision == "bf16":
+            # Accelerate autocasts bf16 only where it finds a TPU (elsewhere on XLA it relies on
+            # the deprecated XLA_USE_BF16): torch.autocast("xla", bfloat16) on every XLA device
+            self.native_amp = True
+
+    def patched_save_state(self: Any, output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        saved = save_state(self, output_dir, *args, **kwargs)
+        if rank == 0:
+            ray.get_actor(state_name).publish.remote("checkpoint", str(Path(saved or output_dir).resolve()))
+        return saved
+
+    def patched_load_state(self: Any, input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        return load_state(self, input_dir or os.environ.get(RESUME_ENV), *args, **kwargs)
+
+    def patched_log(self: Any, values: dict, *args: Any, **kwargs: Any) -> Any:
+        report({k: v for k, v in values.items() if isinstance(v, (int, float))})
+        return log(self, values, *args, **kwargs)
+
+    Accelerator.__init__ = patched_init
+    Accelerator.save_state = patched_save_state
+    Accelerator.load_state = patched_load_state
+    Accelerator.log = patched_log
+
+
+def report_published(state: Any, reporter: Reporter, first: int) -> None:
+    """Report every published entry through the worker's reporter, in order, on every worker (rank
+    0 with the checkpoint directory), until every rank finished and nothing is left."""
+    import ray
+
+    done, metrics = first, {}
+    while True:
+        entries, final = ray.get(state.poll.remote(done, reporter.world))
+        for kind, value in entries:
+            done += 1
+            if kind == "metrics":
+                metrics = {**metrics, **value}
+                reporter.report({**metrics, "published": done}, None, "")
+                continue
+            directory, name = value
+            reporter.report({**metrics, "published": done}, Path(directory) if reporter.rank == 0 else None, name)
+        if final:
+            return
+        time.sleep(0.2)
+
+
+def capture_output(log_file: Path, to_console: bool) -> Callable[[], None]:
+    """This process's stdout and stderr (fd 1 and 2, so C++ output too) into ``log_file``; rank 0's
+    also to the console, through pipes copied by threads. Returns what puts them back (and waits
+    for the copies to finish)."""
+    log = open(log_file, "ab", buffering=0)  # noqa: SIM115 (closed by the returned function)
+    lock = threading.Lock()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    copiers = []
+    for fd in (1, 2):
+        if not to_console:
+            os.dup2(log.fileno(), fd)
+            continue
+        read, write = os.pipe()
+        os.dup2(write, fd)
+        os.close(write)
+        copiers.append(threading.Thread(target=copy_lines, args=(read, saved[fd], log, lock), daemon=True))
+        copiers[-1].start()
+
+    def restore() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, original in saved.items():
+            os.dup2(original, fd)  # closes the pipes' write ends: the copiers reach the end
+        for copier in copiers:
+            copier.join(timeout=10)
+        log.close()
+
+    return restore
+
+
+def copy_lines(read: int, console: int, log: Any, lock: threading.Lock) -> None:
+    with os.fdopen(read, "rb", buffering=0) as source:
+        for chunk in iter(lambda: source.read(65536), b""):
+            os.write(console, chunk)
+            with lock:
+                log.write(chunk)

@@ -1,0 +1,213 @@
+"""Hugging Face ``TrainingArguments`` names, as every job's flags (and a config's ``training_arguments:``).
+
+Users of ``transformers.Trainer`` keep their command lines: each flag below sets the raytpu key
+with the same meaning; the flags their scripts almost always carry but raytpu has no use for are
+accepted with a one-line warning; any other underscore flag is an error that names it. "Per
+device" means per data-parallel replica (a worker on cpu/cuda, a chip on XLA), resolved into
+``data.global_batch_size`` once the runtime is known (:func:`raytpu.config.validation.apply_per_device_batch`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from raytpu.config.args import Alias, ConfigError, Flag, warn
+
+Pairs = list[tuple[str, Any]]
+
+OPTIMIZERS = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw",
+    "adamw_torch_xla": "adamw",
+    "adamw_hf": "adamw",
+    "adafactor": "adafactor",
+    "sgd": "sgd",
+    "adagrad": "adagrad",
+}
+SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
+
+
+def choice(flag: str, table: dict[str, str], key: str) -> Callable[[Any], Pairs]:
+    def convert(value: Any) -> Pairs:
+        if str(value) not in table:
+            raise ConfigError(f"{flag} {value} is not supported; use one of {', '.join(table)}")
+        return [(key, table[str(value)])]
+
+    return convert
+
+
+def whole_epochs(value: Any) -> Pairs:
+    if not isinstance(value, (int, float)) or value <= 0 or float(value) != int(value):
+        raise ConfigError(f"--num_train_epochs {value}: raytpu trains whole epochs; for part of one use --max_steps")
+    return [("loop.epochs", int(value))]
+
+
+def max_steps(value: Any) -> Pairs:
+    return [("loop.max_steps", 0 if value == -1 else value)]  # -1: Transformers' "no limit"
+
+
+def precision(name: str) -> Callable[[bool], Pairs]:
+    """``--bf16`` / ``--fp16``: that precision; an explicit ``false``: full precision (fp32), as in Transformers."""
+    return lambda on: [("scaling.precision", name if on else "fp32")]
+
+
+def debug(value: Any) -> Pairs:
+    pairs: Pairs = []
+    for option in str(value).replace(",", " ").split():
+        if option == "tpu_metrics_debug":
+            pairs.append(("xla.debug_metrics", True))
+        else:
+            warn(f"--debug {option} is ignored: raytpu supports --debug tpu_metrics_debug")
+    return pairs
+
+
+def do_train(on: bool) -> Pairs:
+    if not on:
+        raise ConfigError("--do_train false: `raytpu train` trains; to only evaluate use `raytpu test`")
+    return []
+
+
+def overwrite_output_dir(on: bool) -> Pairs:
+    """Transformers' examples resume from the newest checkpoint in the output folder unless told
+    to overwrite it: raytpu's ``checkpoint.resume`` says the same."""
+    return [("checkpoint.resume", not on)]
+
+
+def eval_strategy(value: Any) -> Pairs:
+    if value == "epoch":
+        return [("loop.eval_every_steps", 0), ("loop.eval_every_epochs", 1)]
+    if value != "steps":
+        warn(f"--eval_strategy {value} is ignored: raytpu evaluates before every scored checkpoint")
+    return []
+
+
+def save_strategy(value: Any) -> Pairs:
+    if value == "epoch":
+        return [("checkpoint.every_steps", 0)]
+    if value != "steps":
+        warn(f"--save_strategy {value} is ignored: raytpu always checkpoints (it is how a run resumes)")
+    return []
+
+
+def report_to(value: Any) -> Pairs:
+    targets = value if isinstance(value, list) else str(value).replace(",", " ").split()
+    if targets in (["none"], []):
+        return [("logging.tensorboard", False)]
+    if "tensorboard" in targets or "all" in targets:
+        return [("logging.tensorboard", True)]
+    warn(f"--report_to {value} is ignored: raytpu writes TensorBoard events (logging.tensorboard)")
+    return []
+
+
+def resume_from_checkpoint(value: Any) -> Pairs:
+    if isinstance(value, bool):
+        return [("checkpoint.resume", value)]
+    warn(
+        f"--resume_from_checkpoint {value} is ignored: a run resumes from its own latest checkpoint when run "
+        "again; to start from other weights pass --checkpoint PATH"
+    )
+    return []
+
+
+FSDP_MODES = {"full_shard", "shard_grad_op", "auto_wrap"}
+
+
+def fsdp(value: Any) -> Pairs:
+    """``--fsdp full_shard [auto_wrap]``: FSDPv2 on the SPMD mesh, every device on the ``fsdp`` axis
+    unless ``xla.mesh`` says otherwise; ``""`` / ``false``: none."""
+    words = value if isinstance(value, list) else str(value).replace(",", " ").split()
+    if value is False or words in ([], ["false"], ["no"], ["none"]):
+        return []
+    unsupported = [word for word in words if word not in FSDP_MODES]
+    if unsupported:
+        raise ConfigError(
+            f"--fsdp {' '.join(unsupported)} is not supported: raytpu's FSDP is torch_xla's FSDPv2 "
+            "(--fsdp full_shard; CPU offload and hybrid sharding are not offered)"
+        )
+    if "shard_grad_op" in words:
+        warn("--fsdp shard_grad_op runs as full_shard: FSDPv2 shards parameters, gradients and optimizer state")
+    return [("xla.spmd", True), ("xla.mesh.fsdp", -1)]
+
+
+def fsdp_config(value: Any) -> Pairs:
+    """``--fsdp_config`` as Transformers takes it: a JSON object, or a JSON file's path; keys may
+    carry Transformers' ``fsdp_`` prefix."""
+    settings = value if isinstance(value, dict) else read_json_object(str(value))
+    settings = {key.removeprefix("fsdp_"): item for key, item in settings.items()}
+    if settings.get("xla") is False or settings.get("xla_fsdp_v2") is False:
+        raise ConfigError(
+            "--fsdp_config: raytpu's FSDP is torch_xla's FSDPv2 on the SPMD mesh; "
+            'set "xla": true and "xla_fsdp_v2": true (FSDPv1 and torch FSDP are not offered)'
+        )
+    pairs: Pairs = []
+    for key, item in settings.items():
+        if key == "xla_fsdp_grad_ckpt":
+            pairs.append(("xla.grad_ckpt", bool(item)))
+        elif key == "transformer_layer_cls_to_wrap":
+            pairs.append(("xla.fsdp_layers", [item] if isinstance(item, str) else list(item)))
+        elif key not in ("xla", "xla_fsdp_v2"):
+            warn(f"--fsdp_config {key} is ignored: raytpu wraps each decoder layer (or the xla.fsdp_layers classes)")
+    return pairs
+
+
+def read_json_object(text: str) -> dict[str, Any]:
+    try:
+        settings = json.loads(Path(text).read_text()) if Path(text).is_file() else json.loads(text)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--fsdp_config {text!r} is neither a JSON object nor a JSON file ({exc})") from exc
+    if not isinstance(settings, dict):
+        raise ConfigError(f"--fsdp_config {text!r} is not a JSON object")
+    return settings
+
+
+#: flag -> raytpu key (or rule); docs/configuration.md's table lists the same
+TRAINING_ARGUMENTS: dict[str, Alias] = {
+    "--output_dir": "run.storage_path",
+    "--run_name": "run.name",
+    "--seed": "run.seed",
+    "--per_device_train_batch_size": "data.per_device_train_batch_size",
+    "--per_device_eval_batch_size": "data.per_device_eval_batch_size",
+    "--dataloader_num_workers": "data.num_workers",
+    "--gradient_accumulation_steps": "loop.grad_accum",
+    "--learning_rate": "optim.lr",
+    "--weight_decay": "optim.weight_decay",
+    "--adam_beta1": "optim.betas.0",
+    "--adam_beta2": "optim.betas.1",
+    "--adam_epsilon": "optim.eps",
+    "--optim": Flag(convert=choice("--optim", OPTIMIZERS, "optim.name")),
+    "--lr_scheduler_type": Flag(convert=choice("--lr_scheduler_type", SCHEDULERS, "optim.scheduler")),
+    "--warmup_steps": "optim.warmup_steps",
+    "--warmup_ratio": "optim.warmup_ratio",
+    "--max_grad_norm": "loop.clip_grad_norm",
+    "--num_train_epochs": Flag(convert=whole_epochs),
+    "--max_steps": Flag(convert=max_steps),
+    "--logging_steps": "loop.log_every",
+    "--eval_steps": "loop.eval_every_steps",
+    "--save_steps": "checkpoint.every_steps",
+    "--save_total_limit": "checkpoint.num_to_keep",
+    "--bf16": Flag(switch=True, convert=precision("bf16")),
+    "--fp16": Flag(switch=True, convert=precision("fp16")),
+    "--gradient_checkpointing": Flag(key="job.gradient_checkpointing", switch=True),
+    "--fsdp": Flag(convert=fsdp),
+    "--fsdp_config": Flag(convert=fsdp_config),
+    "--auto_find_batch_size": Flag(key="loop.auto_find_batch_size", switch=True),
+    "--debug": Flag(convert=debug),
+    "--do_train": Flag(switch=True, convert=do_train),
+    "--do_eval": Flag(switch=True, convert=lambda on: []),  # raytpu evaluates at its eval steps either way
+    "--overwrite_output_dir": Flag(switch=True, convert=overwrite_output_dir),
+    "--eval_strategy": Flag(convert=eval_strategy),
+    "--evaluation_strategy": Flag(convert=eval_strategy),
+    "--save_strategy": Flag(convert=save_strategy),
+    "--logging_strategy": Flag(ignored="raytpu logs every --logging_steps steps"),
+    "--report_to": Flag(convert=report_to),
+    "--resume_from_checkpoint": Flag(convert=resume_from_checkpoint),
+}
+
+
+def warmup_steps(warmup: int, ratio: float, total_steps: int) -> int:
+    """Transformers' rule: ``warmup_steps`` when set, else ``ceil(warmup_ratio x total steps)``."""
+    return warmup if warmup > 0 else math.ceil(total_steps * ratio)

@@ -1,0 +1,192 @@
+"""The one argument layer: dotted overrides, flag aliases and subcommand options, for every command.
+
+Words after a config on the command line are ``section.key=value`` overrides (values read as
+YAML), flags a job or a tool accepts as aliases of config keys (``--batch-size 8``), and the
+subcommand's own options (``--address``, ``--search``, ``--no-wait``). :func:`extract` takes a
+command's own options out; :func:`parse_overrides` turns the rest into ``(key, value)`` pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import inspect
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from raytpu.errors import ConfigError
+
+#: ``section.key=value``: never the value of a flag
+OVERRIDE = re.compile(r"^[A-Za-z_]\w*\.[\w.]*=")
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def extract(
+    items: list[str], valued: Iterable[str] = (), repeated: Iterable[str] = (), switches: Iterable[str] = ()
+) -> tuple[list[str], dict[str, list[str]]]:
+    """Take a command's own options out of ``items``: ``valued`` flags (``--flag V`` or ``--flag=V``;
+    the last one wins), ``repeated`` ones (every value kept) and ``switches`` (no value).
+    Returns the other words, in order, and ``{flag: [values]}`` (a switch maps to ``[]``)."""
+    valued, repeated, switches = set(valued), set(repeated), set(switches)
+    rest: list[str] = []
+    found: dict[str, list[str]] = {}
+    index = 0
+    while index < len(items):
+        item = items[index]
+        flag, sep, value = item.partition("=")
+        index += 1
+        if flag in switches and not sep:
+            found[flag] = []
+        elif flag in valued | repeated:
+            if not sep:
+                if index >= len(items) or items[index].startswith("--"):
+                    raise ConfigError(f"{flag} needs a value, e.g. {flag} VALUE")
+                value = items[index]
+                index += 1
+            found[flag] = [*found.get(flag, []), value] if flag in repeated else [value]
+        else:
+            rest.append(item)
+    return rest, found
+
+
+def take_flag(items: list[str], flag: str) -> str | None:
+    """Remove ``flag VALUE`` / ``flag=VALUE`` from ``items`` in place; its value, or ``None``."""
+    rest, found = extract(items, valued=[flag])
+    items[:] = rest
+    return found[flag][0] if flag in found else None
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A flag that is more than ``--flag VALUE`` -> one key: a bare boolean (``--bf16``, optionally
+    followed by ``true``/``false`` as Transformers' parser takes it), a value turned into several
+    keys or checked (``convert``), or a flag accepted and ignored with a one-line warning."""
+
+    key: str = ""
+    switch: bool = False
+    convert: Callable[[Any], list[tuple[str, Any]]] | None = None
+    ignored: str = ""  # why the flag has no effect (printed as a warning)
+
+    def pairs(self, flag: str, value: Any) -> list[tuple[str, Any]]:
+        if self.ignored:
+            warn(f"{flag} {value} is ignored: {self.ignored}")
+            return []
+        if self.convert is not None:
+            return self.convert(value)
+        return [(self.key, value)]
+
+
+Alias = str | Flag
+BOOLEAN_WORDS = {"true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
+
+
+def warn(text: str) -> None:
+    print(f"raytpu: warning: {text}", file=sys.stderr, flush=True)
+
+
+def parse_overrides(items: list[str], aliases: Mapping[str, Alias]) -> list[tuple[str, Any]]:
+    """``["a.b=1", "--batch-size", "8", "--lr=0.1", "--bf16"]`` -> ``[("a.b", 1), ...]``; ``aliases``
+    maps flags and short keys to dotted keys or :class:`Flag` rules."""
+    pairs: list[tuple[str, Any]] = []
+    index = 0
+    while index < len(items):
+        item = items[index]
+        index += 1
+        if item.startswith("--"):
+            flag, sep, value = item.partition("=")
+            alias = aliases.get(flag)
+            if alias is None:
+                raise ConfigError(unknown_flag_message(flag, aliases))
+            rule = alias if isinstance(alias, Flag) else Flag(key=alias)
+            if rule.switch:
+                if not sep and index < len(items) and items[index].lower() in BOOLEAN_WORDS:
+                    value, sep = items[index], "="
+                    index += 1
+                parsed = BOOLEAN_WORDS.get(value.lower()) if sep else True
+                if parsed is None:
+                    raise ConfigError(f"flag {flag} takes no value or true/false, got {value!r}")
+                pairs.extend(rule.pairs(flag, parsed))
+                continue
+            if not sep:
+                if index >= len(items) or items[index].startswith("--") or OVERRIDE.match(items[index]):
+                    raise ConfigError(f"flag {flag} needs a value, e.g. {flag} VALUE")
+                value = items[index]
+                index += 1
+            if not value.strip():
+                raise ConfigError(f"flag {flag} has an empty value; write {flag}=VALUE")
+            pairs.extend(rule.pairs(flag, parse_value(value)))
+        elif "=" in item:
+            key, value = item.split("=", 1)
+            if not key.strip():
+                raise ConfigError(f"override {item!r} has no key; write KEY=VALUE, e.g. optim.lr=0.01")
+            if not value.strip():
+                raise ConfigError(f"override {item!r} has no value; write {key}=VALUE")
+            alias = aliases.get(key, key)
+            pairs.append((alias if isinstance(alias, str) else alias.key or key, parse_value(value)))
+        else:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. optim.lr=0.01)")
+    return pairs
+
+
+def unknown_flag_message(flag: str, aliases: Mapping[str, Alias]) -> str:
+    close = difflib.get_close_matches(flag, [a for a in aliases if a.startswith("--")], n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    if "_" in flag and not close:
+        hint = "; it is not among the TrainingArguments flags raytpu supports (docs/configuration.md)"
+    return f"unknown flag {flag}{hint}"
+
+
+def mapping_as_flags(section: str, mapping: Any) -> list[str]:
+    """A YAML section of flags (``training_arguments: {learning_rate: 3e-4, bf16: true}``) as the
+    command-line words that say the same (``--learning_rate=0.0003 --bf16=true``)."""
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"{section} must be a mapping of flag names to values, got {mapping!r}")
+    words = []
+    for name, value in mapping.items():
+        text = json.dumps(value) if isinstance(value, (dict, list, bool)) or value is None else str(value)
+        words.append(f"--{name}={text}")
+    return words
+
+
+def parse_options(items: list[str], fn: Callable[..., Any]) -> dict[str, Any]:
+    """``["--n-train", "8", "--size=32"]`` -> ``{"n_train": 8, "size": 32}``, checked against the
+    keyword parameters of ``fn`` (a job's ``synthesize``)."""
+    accepted = [p for p in inspect.signature(fn).parameters if p not in ("self", "out")]
+    options: dict[str, Any] = {}
+    index = 0
+    while index < len(items):
+        item = items[index]
+        if not item.startswith("--"):
+            raise ConfigError(f"unexpected argument {item!r}; options look like --name value")
+        key, sep, value = item[2:].partition("=")
+        if not sep:
+            if index + 1 >= len(items):
+                raise ConfigError(f"option --{key} needs a value")
+            value = items[index + 1]
+            index += 1
+        name = key.replace("-", "_")
+        if name not in accepted:
+            flags = ", ".join("--" + p.replace("_", "-") for p in accepted)
+            raise ConfigError(f"unknown option --{key}; this job accepts {flags}")
+        options[name] = parse_value(value)
+        index += 1
+    return options
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one ``raytpu: error:`` line (exit 2), not usage text."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see `{self.prog} --help`)")

@@ -1,0 +1,213 @@
+"""Reading a config: YAML files, dotted overrides and seed-script aliases, into the typed sections.
+
+A config file is YAML with one section per dataclass of ``raytpu.config.schema`` plus ``job:``
+(the job's own dataclass, selected by ``job.name``). Command-line overrides are
+``section.key=value`` (values parsed as YAML) or a seed script's flag (``--batch-size 8``), read
+by ``raytpu.config.args``. Any unknown key fails with the closest valid keys. The result is
+frozen: :func:`with_values` makes a changed copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raytpu.compat.training_args import TRAINING_ARGUMENTS
+from raytpu.config.args import Alias, ConfigError, mapping_as_flags, parse_overrides
+from raytpu.config.schema import Config
+from raytpu.config.validation import validate
+from raytpu.job import Job, JobConfig, load_job
+
+#: flags and short keys every job accepts: alias -> dotted key
+COMMON_ALIASES: dict[str, Alias] = {
+    "runtime": "scaling.runtime",
+    "num_workers": "scaling.num_workers",
+    "precision": "scaling.precision",
+    "--name": "run.name",
+    "--seed": "run.seed",
+    "--data-path": "data.path",
+    **TRAINING_ARGUMENTS,
+}
+
+
+# ---------------------------------------------------------------------- build
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> tuple[Config, Job]:
+    """Read a YAML file, apply ``overrides`` and return the typed config and its job."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found; pass a YAML file such as jobs/mshnet/small.yaml")
+        raw = read_yaml(path)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    job_section = raw.get("job") or {}
+    if isinstance(job_section, str):
+        job_section = {"name": job_section}
+        raw["job"] = job_section
+    flags = mapping_as_flags("training_arguments", raw.pop("training_arguments")) if "training_arguments" in raw else []
+    pairs = parse_overrides(flags + list(overrides or []), job_aliases_for(raw, overrides or []))
+    job_name = dict(pairs).get("job.name", job_section.get("name"))
+    if not job_name:
+        raise ConfigError("no job given: set `job: {name: <job>}` in the config or pass job.name=<job>")
+    job = load_job(str(job_name))
+    cfg = with_values(build_dataclass(Config, raw, "", {"job": job.config_class}), pairs)
+    if not cfg.run.name:  # a run is named after its job and config file unless named
+        stem = Path(path).stem if path is not None else "run"
+        cfg = with_values(cfg, {"run.name": f"{job.name}-{stem}"})
+    validate(cfg, job)
+    return cfg, job
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's content; a syntax error names the file, line and column."""
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: YAML syntax error: {exc.problem or exc.context}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: YAML syntax error: {' '.join(str(exc).split())}") from exc
+
+
+def job_aliases_for(raw: dict[str, Any], overrides: list[str]) -> dict[str, Alias]:
+    """Aliases of the job named in the file or the overrides (seed flags)."""
+    name = (raw.get("job") or {}).get("name")
+    for item in overrides:
+        if item.startswith("job.name="):
+            name = item.split("=", 1)[1]
+    aliases = dict(COMMON_ALIASES)
+    if name:
+        aliases.update(load_job(str(name)).aliases)
+    return aliases
+
+
+def build_dataclass(cls: type, raw: Any, prefix: str, substitutions: dict[str, type] | None = None) -> Any:
+    """Build ``cls`` from a mapping, recursively, rejecting unknown keys."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise ConfigError(unknown_key_message(f"{prefix}{key}", [f"{prefix}{n}" for n in names]))
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            if substitutions and f.name in substitutions:
+                values[f.name] = substitutions[f.name]()
+            continue
+        field_type = (substitutions or {}).get(f.name, hints[f.name])
+        values[f.name] = coerce(raw[f.name], field_type, f"{prefix}{f.name}")
+    return cls(**values)
+
+
+def coerce(value: Any, field_type: Any, key: str) -> Any:
+    """Check/convert ``value`` to ``field_type`` with a message naming ``key``."""
+    if dataclasses.is_dataclass(field_type):
+        return build_dataclass(field_type, value, f"{key}.")
+    origin = typing.get_origin(field_type)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        (item_type, *_) = typing.get_args(field_type) or (Any,)
+        return [coerce(v, item_type, key) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if field_type is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if field_type is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if field_type is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if field_type is str:
+        if isinstance(value, bool):
+            return "true" if value else "false"  # YAML reads an unquoted true/false as a bool
+        return "" if value is None else str(value)
+    if field_type is float and isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 reads "1e-4" as a string
+        except ValueError:
+            pass
+    if field_type in (int, float):
+        raise ConfigError(f"{key} must be a number ({field_type.__name__}), got {value!r}")
+    return value
+
+
+def unknown_key_message(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+    return f"unknown config key {key!r}{hint}"
+
+
+def all_keys(obj: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        keys.append(prefix + f.name)
+        if dataclasses.is_dataclass(value):
+            keys.extend(all_keys(value, f"{prefix}{f.name}."))
+    return keys
+
+
+def with_values(cfg: Any, values: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> Any:
+    """A copy of ``cfg`` with each dotted key set (``optim.lr``, ``optim.betas.0``), with the same
+    checks as a file; ``cfg`` itself is frozen and never changes."""
+    for key, value in values.items() if isinstance(values, Mapping) else values:
+        if key == "job.name":
+            if value != cfg.job.name:
+                raise ConfigError("job.name cannot change the job of a config file; use another config")
+            continue
+        cfg = replaced(cfg, cfg, key.split("."), value, key)
+    return cfg
+
+
+def replaced(root: Any, target: Any, parts: list[str], value: Any, key: str) -> Any:
+    """``target`` with the value at ``parts`` replaced (a list item when the last part is a number)."""
+    name, rest = parts[0], parts[1:]
+    if not dataclasses.is_dataclass(target) or name not in {f.name for f in dataclasses.fields(target)}:
+        raise ConfigError(unknown_key_message(key, all_keys(root)))
+    field_type = typing.get_type_hints(type(target))[name]
+    current = getattr(target, name)
+    if not rest:
+        return dataclasses.replace(target, **{name: coerce(value, field_type, key)})
+    if len(rest) == 1 and rest[0].isdigit() and isinstance(current, list):
+        index = int(rest[0])
+        if not 0 <= index < len(current):
+            raise ConfigError(unknown_key_message(key, all_keys(root)))
+        items = list(current)
+        items[index] = coerce(value, typing.get_args(field_type)[0], key)
+        return dataclasses.replace(target, **{name: items})
+    return dataclasses.replace(target, **{name: replaced(root, current, rest, value, key)})
+
+
+# --------------------------------------------------------------------- dump
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def from_dict(data: dict[str, Any]) -> tuple[Config, Job | None]:
+    """Rebuild a config (e.g. on a Ray worker) from :func:`to_dict` output; a config without a job
+    (``raytpu launch`` schedules a script) has none."""
+    job = load_job(data["job"]["name"]) if data["job"]["name"] else None
+    return build_dataclass(Config, data, "", {"job": job.config_class if job else JobConfig}), job

@@ -1,0 +1,157 @@
+"""The configuration's typed sections: what a config file and the command line can set.
+
+Every section is a frozen dataclass: a config is read once (``raytpu.config.loading``) and never
+changed afterwards; a changed value is a new config (:func:`raytpu.config.loading.with_values`),
+and what the driver works out from it is the plan (``raytpu.config.plan``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from raytpu.job import JobConfig
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = ""
+    storage_path: str = "./results"
+    seed: int = 0
+    mode: str = "train"  # train | test
+
+
+@dataclass(frozen=True)
+class TPUConfig:
+    accelerator_type: str = ""  # e.g. TPU-V5LITEPOD, TPU-V4, TPU-V6E
+    topology: str = ""  # e.g. 2x4
+    layout: str = "spmd"  # spmd | multiprocess
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    runtime: str = "auto"  # auto | cpu | cuda | xla
+    num_workers: int = 1
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    cpus_per_worker: float = 1.0
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    tpu: TPUConfig = field(default_factory=TPUConfig)
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1
+    fsdp: int = 1
+
+
+@dataclass(frozen=True)
+class XLAConfig:
+    spmd: bool = False
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    compile_cache: str = ""  # "" = <run dir>/xla_cache; "none" disables it
+    strict_recompile: bool = False
+    debug_metrics: bool = False
+    # FSDPv2's wrapping units by class name ([] = the model's _no_split_modules: decoder layers)
+    fsdp_layers: list[str] = field(default_factory=list)
+    grad_ckpt: bool = False  # torch_xla's gradient checkpointing of each unit (Transformers' xla_fsdp_grad_ckpt)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""
+    synthesize_if_missing: bool = False
+    global_batch_size: int = 8
+    eval_batch_size: int = 0  # 0 = global_batch_size
+    # TrainingArguments' per-device batches (0 = unused): x data-parallel replicas (x grad_accum) = the global batch
+    per_device_train_batch_size: int = 0
+    per_device_eval_batch_size: int = 0
+    num_workers: int = 0  # DataLoader processes per Ray worker
+    loader: str = "torch"  # torch | ray
+    shuffle: bool = True
+    prefetch_batches: int = 2  # data.loader=ray: batches each worker decodes ahead (in as many threads)
+    shuffle_buffer: int = 0  # data.loader=ray: local shuffle buffer rows per worker (0 = 8 x per-worker batch)
+    materialize_mb: float = 1024  # data.loader=ray: a train set this small is read once, reshuffled each epoch
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"  # adafactor | adagrad | adam | adamw | sgd
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8  # adam / adamw
+    scheduler: str = "constant"  # constant | cosine | linear | poly
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # used when warmup_steps is 0: ceil(ratio x total steps) warm-up steps
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    epochs: int = 1
+    max_steps: int = 0  # 0 = epochs * steps per epoch
+    grad_accum: int = 1
+    auto_find_batch_size: bool = False  # halve the per-device batch (doubling grad_accum) on out-of-memory
+    clip_grad_norm: float = 0.0  # 0 = no clipping
+    ema_beta: float = 0.0  # 0 = no EMA of the weights; else the decay it reaches
+    ema_every: int = 1  # steps between EMA updates
+    ema_update_after: int = 100  # steps during which the EMA copies the weights (ema_pytorch's default)
+    ema_warmup: bool = True  # ramp the decay as 1 - (1 + n)^-ema_power up to ema_beta (false: ema_beta at once)
+    ema_power: float = 2 / 3
+    log_every: int = 10
+    eval_every_epochs: int = 1
+    eval_every_steps: int = 0  # evaluate every that many steps instead (TrainingArguments' eval_steps)
+    sync_batchnorm: str = "auto"  # auto | true | false: BatchNorm over the global batch (docs/configuration.md)
+    stop_on_nonfinite: bool = True
+    grad_norm_warn_high: float = 1e3
+    grad_norm_warn_low: float = 1e-7
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 0  # 0 = at the end of every epoch
+    num_to_keep: int = 2
+    resume: bool = True  # continue from the run's latest checkpoint when there is one
+    weights: str = ""  # checkpoint dir or weights file to start from / to test
+    max_failures: int = 0
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    progress_bar: bool = True
+    eval_images: int = 4  # images per eval written to TensorBoard (0 = none)
+    verbose: bool = False  # show Ray's own INFO lines (reports, checkpoints, scheduling) too
+    hparams: bool = True  # the config's values in TensorBoard's HPARAMS tab once training completes
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """``raytpu tune``: what to search and how (the CLI flags set the same keys)."""
+
+    search: dict[str, str] = field(default_factory=dict)  # key -> "loguniform(1e-4, 1e-1)"
+    num_samples: int = 4
+    metric: str = ""  # "" = valid/<the job's main metric>
+    mode: str = ""  # max | min; "" = the job's
+    scheduler: str = "asha"  # asha | fifo
+    max_t: int = 0  # ASHA horizon in reports (eval rounds); 0 = the reports a full trial makes
+    grace_period: int = 1
+    reduction_factor: float = 2.0
+    max_concurrent: int = 0  # 0 = as many as the cluster's resources fit
+    name: str = ""  # "" = <run.name>-tune; the same name resumes the sweep
+    lr_scaling: str = "none"  # none | linear | sqrt, relative to reference_batch_size
+    reference_batch_size: int = 0  # 0 = the config's data.global_batch_size
+
+
+@dataclass(frozen=True)
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    xla: XLAConfig = field(default_factory=XLAConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)

@@ -1,0 +1,120 @@
+"""Every config value's choice, type and range, checked on the driver before anything runs."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from raytpu.config.batching import BatchPlan
+from raytpu.errors import ConfigError
+
+if TYPE_CHECKING:  # config.py imports this module
+    from raytpu.config import Config
+    from raytpu.job import Job
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "run.mode": ("train", "test"),
+    "scaling.runtime": ("auto", "cpu", "cuda", "xla"),
+    "scaling.precision": ("auto", "fp32", "bf16", "fp16"),
+    "scaling.tpu.layout": ("spmd", "multiprocess"),
+    "data.loader": ("torch", "ray"),
+    "optim.name": ("adafactor", "adagrad", "adam", "adamw", "sgd"),
+    "optim.scheduler": ("constant", "cosine", "linear", "poly"),
+    "loop.sync_batchnorm": ("auto", "true", "false"),
+    "tune.scheduler": ("asha", "fifo"),
+    "tune.mode": ("", "max", "min"),
+    "tune.lr_scaling": ("none", "linear", "sqrt"),
+}
+
+#: dotted key -> (lowest allowed value, whether the lowest value itself is allowed)
+LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
+    "run.seed": (0, True),
+    "scaling.num_workers": (1, True),
+    "scaling.cpus_per_worker": (0, True),
+    "data.global_batch_size": (1, True),
+    "data.eval_batch_size": (0, True),
+    "data.per_device_train_batch_size": (0, True),
+    "data.per_device_eval_batch_size": (0, True),
+    "data.num_workers": (0, True),
+    "data.prefetch_batches": (0, True),
+    "data.shuffle_buffer": (0, True),
+    "data.materialize_mb": (0, True),
+    "optim.lr": (0, False),
+    "optim.weight_decay": (0, True),
+    "optim.momentum": (0, True),
+    "optim.warmup_steps": (0, True),
+    "optim.warmup_ratio": (0, True),
+    "optim.eps": (0, False),
+    "optim.min_lr_ratio": (0, True),
+    "loop.epochs": (1, True),
+    "loop.max_steps": (0, True),
+    "loop.grad_accum": (1, True),
+    "loop.clip_grad_norm": (0, True),
+    "loop.ema_beta": (0, True),
+    "loop.ema_every": (1, True),
+    "loop.ema_update_after": (0, True),
+    "loop.ema_power": (0, False),
+    "loop.log_every": (1, True),
+    "loop.eval_every_epochs": (1, True),
+    "loop.eval_every_steps": (0, True),
+    "loop.grad_norm_warn_high": (0, False),
+    "loop.grad_norm_warn_low": (0, True),
+    "checkpoint.every_steps": (0, True),
+    "checkpoint.num_to_keep": (1, True),
+    "checkpoint.max_failures": (-1, True),
+    "logging.eval_images": (0, True),
+    "tune.num_samples": (1, True),
+    "tune.max_t": (0, True),
+    "tune.grace_period": (1, True),
+    "tune.reduction_factor": (1, False),
+    "tune.max_concurrent": (0, True),
+    "tune.reference_batch_size": (0, True),
+}
+
+#: dotted key -> (highest allowed value, whether that value itself is allowed)
+UPPER_BOUNDS: dict[str, tuple[float, bool]] = {
+    "optim.momentum": (1, False),
+    "optim.min_lr_ratio": (1, True),
+    "optim.warmup_ratio": (1, True),
+    "loop.ema_beta": (1, False),
+}
+
+
+def get_dotted(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def validate(cfg: Config, job: Job | None = None) -> None:
+    """Every value's choice, type and range, checked before anything runs (one-line errors)."""
+    for key, allowed in CHOICES.items():
+        value = get_dotted(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(a for a in allowed if a)}")
+    for key, (low, inclusive) in LOWER_BOUNDS.items():
+        check_number(key, get_dotted(cfg, key), (low, inclusive), UPPER_BOUNDS.get(key))
+    betas = cfg.optim.betas
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {betas}")
+    for name, amount in cfg.scaling.resources_per_worker.items():
+        check_number(f"scaling.resources_per_worker.{name}", amount, (0, True))
+    if cfg.xla.mesh.data == 0 or cfg.xla.mesh.fsdp == 0 or min(cfg.xla.mesh.data, cfg.xla.mesh.fsdp) < -1:
+        raise ConfigError("xla.mesh.data and xla.mesh.fsdp must be at least 1, or -1 for the rest of the devices")
+    if not cfg.data.per_device_train_batch_size:  # else checked once the runtime is known
+        BatchPlan.of(cfg)
+    if job is not None:
+        job.check_config(cfg)
+
+
+def check_number(key: str, value: Any, lower: tuple[float, bool], upper: tuple[float, bool] | None = None) -> None:
+    """A finite number within ``lower`` and ``upper``, each ``(bound, whether the bound itself is allowed)``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+    low, low_ok = lower
+    if value < low or (value == low and not low_ok):
+        raise ConfigError(f"{key} must be {'at least' if low_ok else 'greater than'} {low:g}, got {value!r}")
+    if upper is not None:
+        high, high_ok = upper
+        if value > high or (value == high and not high_ok):
+            raise ConfigError(f"{key} must be {'at most' if high_ok else 'below'} {high:g}, got {value!r}")

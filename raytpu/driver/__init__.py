@@ -1,0 +1,1 @@
+"""The driver side: commands that check, prepare and start runs (never touching a device)."""

@@ -1,0 +1,209 @@
+"""Reaching a Ray cluster without hanging: where an address listens, and what its nodes hold.
+
+A TCP check answers in seconds where nothing listens; the nodes are listed from a subprocess
+with a timeout (joining a cluster as a driver can block), so neither ``raytpu doctor`` nor a run
+waits on an address that does not answer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from raytpu.errors import ConfigError
+
+NO_CLUSTER = "no cluster: raytpu starts a local one"
+DEFAULT_TIMEOUT_S = 30.0
+PROBE_MARK = "RAYTPU_CLUSTER "
+PROBE_ERROR_MARK = "RAYTPU_CLUSTER_ERROR "
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
+
+
+def resolve_address(address: str | None) -> str | None:
+    """``--address``, else ``RAY_ADDRESS``; ``local`` or nothing means no cluster."""
+    address = (address or os.environ.get("RAY_ADDRESS") or "").strip()
+    return None if address in ("", "local") else address
+
+
+def host_port(address: str) -> tuple[str, int] | None:
+    """Where a Ray address listens: ``ray://h:10001``, ``http://h:8265``, ``h:6379``; None for ``auto``."""
+    if address == "auto":
+        return None
+    defaults = {"ray": 10001, "http": 80, "https": 443}
+    parsed = urlparse(address if "://" in address else f"gcs://{address}")
+    if not parsed.hostname:
+        return None
+    return parsed.hostname, parsed.port or defaults.get(parsed.scheme, 6379)
+
+
+def tcp_error(host: str, port: int, timeout: float) -> str | None:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as exc:
+        return one_line(exc)
+
+
+def node_summary(node_id: str, ip: str, alive: bool, resources: dict, labels: dict) -> dict[str, Any]:
+    keep = ("CPU", "GPU", "TPU")
+    wanted = {k: v for k, v in resources.items() if k in keep or k.startswith(("accelerator_type:", "TPU-"))}
+    tpu_labels = {k: v for k, v in (labels or {}).items() if k.startswith("ray.io/tpu")}
+    return {"node_id": node_id[:12], "ip": ip, "alive": alive, "resources": wanted, "tpu_labels": tpu_labels}
+
+
+def list_cluster_nodes(address: str) -> list[dict[str, Any]]:
+    """Nodes of the cluster at ``address`` (runs in the probe subprocess: it connects as a Ray driver)."""
+    if address.startswith(("http://", "https://")):
+        from ray.util.state import list_nodes
+
+        states = list_nodes(address=address, detail=True, raise_on_missing_output=False)
+        return [
+            node_summary(n.node_id, n.node_ip, n.state == "ALIVE", n.resources_total or {}, n.labels or {})
+            for n in states
+        ]
+    import ray
+
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    try:
+        return [
+            node_summary(n["NodeID"], n["NodeManagerAddress"], n["Alive"], n["Resources"], n.get("Labels", {}))
+            for n in ray.nodes()
+        ]
+    finally:
+        ray.shutdown()
+
+
+def cluster_probe_main(address: str) -> int:
+    """Entry point of the cluster probe subprocess: one marked JSON line on stdout."""
+    try:
+        print(PROBE_MARK + json.dumps(list_cluster_nodes(address)), flush=True)
+        return 0
+    except Exception as exc:
+        print(PROBE_ERROR_MARK + one_line(exc), flush=True)
+        return 1
+
+
+def run_cluster_probe(address: str, timeout: float) -> list[dict[str, Any]]:
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    code = "import sys; from raytpu.driver.cluster import cluster_probe_main; sys.exit(cluster_probe_main(sys.argv[1]))"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, address], capture_output=True, text=True, timeout=timeout, env=env
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise ConnectionError(f"no answer within {timeout:g} s") from exc
+    for line in done.stdout.splitlines():
+        if line.startswith(PROBE_MARK):
+            return json.loads(line[len(PROBE_MARK) :])
+        if line.startswith(PROBE_ERROR_MARK):
+            raise ConnectionError(line[len(PROBE_ERROR_MARK) :])
+    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    raise ConnectionError(f"probe exited with code {done.returncode}: {tail}")
+
+
+def cluster_totals(nodes: list[dict[str, Any]]) -> dict[str, float]:
+    totals = {"CPU": 0.0, "GPU": 0.0, "TPU": 0.0}
+    for node in nodes:
+        if node["alive"]:
+            for key in totals:
+                totals[key] += node["resources"].get(key, 0)
+    return totals
+
+
+def check_cluster(address: str | None, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Reach the named cluster (or report that raytpu will start a local one) without hanging."""
+    if address is None:
+        return {"address": None, "reachable": None, "message": NO_CLUSTER, "nodes": []}
+    endpoint = host_port(address)
+    refused = tcp_error(*endpoint, timeout=min(timeout, 5.0)) if endpoint else None
+    if refused:
+        return {"address": address, "reachable": False, "message": f"cannot reach {address}: {refused}", "nodes": []}
+    try:
+        nodes = run_cluster_probe(address, timeout)
+    except ConnectionError as exc:
+        return {"address": address, "reachable": False, "message": f"cannot connect to {address}: {exc}", "nodes": []}
+    totals = cluster_totals(nodes)
+    from raytpu.runtime import pick_runtime  # imports torch: kept out of module import, as in auto_choice
+
+    runtime = pick_runtime("auto", totals["TPU"] > 0, totals["GPU"] > 0)
+    alive = sum(n["alive"] for n in nodes)
+    message = f"{alive} alive node(s): {totals['CPU']:g} CPU, {totals['GPU']:g} GPU, {totals['TPU']:g} TPU chips"
+    return {
+        "address": address,
+        "reachable": True,
+        "message": message,
+        "nodes": nodes,
+        "totals": totals,
+        "auto_runtime": runtime,
+    }
+
+
+# ------------------------------------------------------------ joining as a driver
+def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> None:
+    """Join the cluster at ``address`` / ``RAY_ADDRESS``, or start a local Ray instance.
+
+    An address where nothing answers is refused at once (Ray itself would retry for minutes)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    check_reachable(address)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
+    env["RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS"] = "0"
+    # print() in a worker stays print(): Ray Train would route it through a logger that writes it
+    # to both stdout and stderr (each line twice on the console)
+    env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+    kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": not quiet}
+    level = "INFO" if verbose else "WARNING"  # Ray's INFO lines (reports, checkpoints): --verbose only
+    kwargs.update(logging_level=getattr(logging, level), logging_config=ray.LoggingConfig(log_level=level))
+    if address in (None, "local"):
+        if address is None:
+            print("raytpu: no Ray cluster given (--address / RAY_ADDRESS); starting a local Ray instance", flush=True)
+        # the nodes of a local instance are never drained: Ray Train's preemption watcher (an actor
+        # per run, whose start prints a C++ notice) has nothing to watch there
+        env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+    if not verbose:
+        quiet_ray()
+    try:
+        ray.init(address=address, **kwargs)
+    except ConnectionError as exc:
+        raise ConfigError(f"cannot join a Ray cluster at {address!r}: {' '.join(str(exc).split())[:200]}") from exc
+
+
+def quiet_ray() -> None:
+    """Hide Ray's token-authentication reminder on every connect (through its logger's level)."""
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+
+
+def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """A one-line error unless something listens where ``address`` points (none, ``local`` and
+    ``auto`` need nothing: a local instance is started, or Ray finds the running one)."""
+    if address in (None, "local", "auto"):
+        return
+    if address.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"--address {address} is a dashboard address (for raytpu submit); to train on that cluster "
+            "give its GCS address HOST:6379 or ray://HOST:10001"
+        )
+    endpoint = host_port(address)
+    if endpoint is None:
+        raise ConfigError(f"--address {address!r} is not a Ray address (HOST:PORT, ray://HOST:PORT, auto or local)")
+    refused = tcp_error(*endpoint, timeout=timeout_s)
+    if refused:
+        raise ConfigError(
+            f"no Ray cluster answers at {address} ({refused}); start one with `ray start --head`, fix --address / "
+            "RAY_ADDRESS, or leave both unset to run on a local Ray instance"
+        )

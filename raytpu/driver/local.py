@@ -1,0 +1,112 @@
+"""``raytpu train --local``: the plan run by local worker processes, without Ray.
+
+For local multi-process runs while developing: ``scaling.num_workers`` processes started
+torchrun-style (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` / ``MASTER_PORT``, a gloo group), each
+entering ``raytpu.worker.entry`` as a Ray worker does, with the run folder as its reporter
+(``raytpu.worker.reporting.FolderReporter``: the same checkpoint folders, kept by the same rule).
+It gives up what Ray adds: restarts of lost workers (``checkpoint.max_failures``), Ray Data across
+processes, Tune and remote clusters. Nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from raytpu.config.plan import Plan
+from raytpu.driver.signals import StopOnSignal
+from raytpu.errors import RunFailed
+from raytpu.worker.batch_finder import EXIT_BATCH_REDUCED, group_restarts
+
+Worker = tuple[int, subprocess.Popen, Any]  # rank, process, its log file
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_processes(plan: Plan, stop: StopOnSignal) -> None:
+    """Run ``scaling.num_workers`` local processes to the end; rank 0's output is the console's,
+    the others' go to ``<run dir>/logs/rank_<N>.log``. A failed rank ends the run, unless it stepped
+    the batch down (``loop.auto_find_batch_size``): then every process starts again."""
+    logs = Path(plan.run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    restarts = group_restarts(plan.config)
+    with tempfile.TemporaryDirectory(prefix="raytpu-local-") as tmp:
+        plan_file = Path(tmp) / "plan.json"
+        plan_file.write_text(json.dumps(plan.as_dict()))
+        for attempt in range(restarts + 1):
+            processes, copiers = start_workers(plan, plan_file, logs, fresh_logs=attempt == 0)
+            failed = wait_all(processes, copiers)
+            reduced = any(process.returncode == EXIT_BATCH_REDUCED for _, process, _ in processes)
+            if not reduced or stop.signum is not None or attempt == restarts:
+                break
+    if failed is not None:
+        text = (logs / f"rank_{failed}.log").read_text()
+        last = (text.strip().splitlines() or ["exited without a message"])[-1]
+        raise RunFailed(f"rank {failed}: {last}", text if failed else "")
+
+
+def start_workers(
+    plan: Plan, plan_file: Path, logs: Path, fresh_logs: bool
+) -> tuple[list[Worker], list[threading.Thread]]:
+    """One process per rank, on a fresh port (a restarted group must not meet the old one's); a
+    restarted group adds to its ranks' logs."""
+    world, port = plan.config.scaling.num_workers, free_port()
+    # intra-op threads per process as Ray gives its workers (their CPUs; torchrun: 1), so that
+    # the processes do not oversubscribe the cores; an OMP_NUM_THREADS set by the user wins
+    threads = max(1, int(plan.config.scaling.cpus_per_worker))
+    processes: list[Worker] = []
+    copiers: list[threading.Thread] = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        log = open(logs / f"rank_{rank}.log", "w" if fresh_logs else "a")  # noqa: SIM115 (closed by wait_all)
+        command = [sys.executable, "-m", "raytpu.worker.entry", str(plan_file)]
+        if rank == 0:  # its output is the console's; its errors are kept too
+            process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+            copiers.append(threading.Thread(target=tee, args=(process.stderr, log), daemon=True))
+            copiers[-1].start()
+        else:
+            process = subprocess.Popen(command, env=env, stdout=log, stderr=log)
+        processes.append((rank, process, log))
+    return processes, copiers
+
+
+def tee(stream: Any, log: Any) -> None:
+    """Copy a process's stderr to ours and to its log, line by line."""
+    for line in stream:
+        sys.stderr.write(line)
+        log.write(line)
+    log.flush()
+
+
+def wait_all(processes: list[Worker], copiers: list[threading.Thread]) -> int | None:
+    """Wait for every process; at the first failure stop the others. The failed rank, or None."""
+    failed = None
+    pending = list(processes)
+    while pending:
+        time.sleep(0.05)
+        for item in [p for p in pending if p[1].poll() is not None]:
+            rank, process, log = item
+            pending.remove(item)
+            if rank == 0:
+                for copier in copiers:
+                    copier.join()
+            log.close()
+            if process.returncode != 0 and failed is None:
+                failed = rank
+                for _, other, _ in pending:
+                    other.terminate()
+    return failed

@@ -1,0 +1,165 @@
+"""The one ``TorchTrainer`` builder: every Ray run (``train``, ``test``, a Tune trial, ``launch``)
+is a plan handed to :func:`raytpu.worker.entry.ray_entry` on its workers.
+
+Nothing here touches an accelerator: on a TPU VM the driver must not hold the TPU its workers
+need. What the trainer reserves (``ScalingConfig``), keeps (``CheckpointConfig``: the plan's
+retention rule, ``raytpu.worker.reporting``) and retries (``FailureConfig``) all come from the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from raytpu.config import Config
+from raytpu.config.plan import Plan
+from raytpu.errors import RunFailed
+from raytpu.runtime.tpu import check_num_workers, slice_spec, workers_for_layout
+from raytpu.worker.batch_finder import ray_max_failures
+
+
+def scaling_kwargs(cfg: Config) -> dict[str, Any]:
+    """``ScalingConfig`` arguments. On a TPU slice (``scaling.tpu.accelerator_type`` set) Ray
+    gang-schedules the whole slice: one worker per host (spmd) or per chip (multiprocess),
+    checked against ``num_workers`` here."""
+    resources = {"CPU": cfg.scaling.cpus_per_worker, **cfg.scaling.resources_per_worker}
+    kwargs: dict[str, Any] = {
+        "num_workers": cfg.scaling.num_workers,
+        "use_gpu": cfg.scaling.runtime == "cuda",
+        "resources_per_worker": resources,
+    }
+    tpu = cfg.scaling.tpu
+    if cfg.scaling.runtime == "xla" and tpu.accelerator_type:
+        spec = slice_spec(tpu.accelerator_type, tpu.topology)
+        check_num_workers(spec, tpu.layout, cfg.scaling.num_workers)
+        _, tpu_resources = workers_for_layout(spec, tpu.layout)
+        kwargs.update(
+            use_tpu=True,
+            topology=spec.topology,
+            accelerator_type=spec.accelerator_type,
+            resources_per_worker={**resources, **tpu_resources},
+        )
+    return kwargs
+
+
+def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
+    """A ``TorchTrainer`` that runs ``plan`` on its workers (with the Ray Datasets of
+    ``data.loader=ray``, whose names the workers' plan then lists)."""
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytpu.runtime.ray_backend import torch_config
+    from raytpu.worker.entry import ray_entry
+
+    cfg = plan.config
+    datasets = ray_datasets(plan)
+    plan = dataclasses.replace(plan, datasets=tuple(sorted(datasets.get("datasets", {}))))
+    scored = plan.mode == "train"
+    checkpoints = CheckpointConfig(
+        num_to_keep=cfg.checkpoint.num_to_keep,
+        checkpoint_score_attribute="score" if scored else None,
+        checkpoint_score_order="max" if plan.main_metric_mode == "max" else "min",
+    )
+    failures = ray_max_failures(cfg) if plan.mode == "train" else cfg.checkpoint.max_failures
+    run_config = RunConfig(
+        name=plan.name,
+        storage_path=plan.storage,
+        checkpoint_config=checkpoints,
+        failure_config=FailureConfig(max_failures=failures),
+        # Ray Train's own per-report, per-checkpoint and scheduling lines: shown with --verbose
+        logging_config=LoggingConfig(log_level="INFO" if cfg.logging.verbose else "WARNING"),
+        callbacks=callbacks or [],
+    )
+    return TorchTrainer(
+        ray_entry,
+        train_loop_config=plan.as_dict(),
+        scaling_config=ScalingConfig(**scaling_kwargs(cfg)),
+        torch_config=torch_config(cfg.scaling.runtime, cfg.logging.verbose),
+        run_config=run_config,
+        **datasets,
+    )
+
+
+def ray_datasets(plan: Plan) -> dict[str, Any]:
+    """``TorchTrainer`` arguments of the Ray Data path (none for data.loader=torch)."""
+    cfg = plan.config
+    if cfg.data.loader != "ray" or plan.mode == "launch":
+        return {}
+    from ray.train import DataConfig
+
+    from raytpu.job import load_job
+
+    datasets = read_datasets(cfg, load_job(cfg.job.name), plan.mode)
+    # only the train set is split over the workers; eval sets are read whole (raytpu.storage.tables)
+    return {"datasets": datasets, "dataset_config": DataConfig(datasets_to_split=["train"])}
+
+
+def read_datasets(cfg: Config, job: Any, mode: str) -> dict[str, Any]:
+    """The Ray Datasets of a run: ``train`` and ``valid``, or ``test``.
+
+    Eval sets are materialized here, once, into the object store: every worker reads them whole
+    at every eval, and re-running the read tasks each time would cost more than the eval itself
+    on small sets. The train set is materialized too when it is small (:func:`materialize_train`)
+    and then shuffled globally at every epoch (``random_shuffle``); a larger one streams from
+    storage, a fresh read per epoch with its files shuffled.
+    """
+    import ray.data
+
+    from raytpu.job import table_for
+    from raytpu.storage.tables import open_prepared
+
+    prepared = open_prepared(cfg.data.path, job.name)
+    datasets = {}
+    for split in ("train", "valid") if mode == "train" else ("test",):
+        table = table_for(job, cfg, split)
+        paths = prepared.paths(table)
+        if split != "train" or materialize_train(cfg, prepared, table):
+            dataset = ray.data.read_parquet(paths, filesystem=prepared.fs).materialize()
+            if split == "train" and cfg.data.shuffle:
+                dataset = dataset.random_shuffle()
+        else:
+            shuffle = "files" if cfg.data.shuffle else None
+            dataset = ray.data.read_parquet(paths, filesystem=prepared.fs, shuffle=shuffle)
+        dataset.context.enable_progress_bars = False  # per-operator bars on every worker flood the run's log
+        datasets[split] = dataset
+    return datasets
+
+
+def materialize_train(cfg: Config, prepared: Any, table: str) -> bool:
+    """Whether the train set is read once into the object store: when it holds at most
+    ``data.materialize_mb`` and a quarter of the cluster's object store (an epoch's shuffle holds
+    a second copy). Each epoch then starts in milliseconds instead of the ~1 s a streaming read
+    takes to deliver its first block, which on small data sets is a large share of an epoch."""
+    import ray
+
+    size = prepared.table_bytes(table)
+    store = ray.cluster_resources().get("object_store_memory", 0.0)
+    return size <= cfg.data.materialize_mb * 2**20 and size <= store / 4
+
+
+def run_trainer(trainer: Any) -> Any:
+    """``trainer.fit()``; a failed run becomes :class:`~raytpu.errors.RunFailed`: ``rank N: <its
+    error>`` and the failing rank's traceback."""
+    from ray.train import TrainingFailedError
+
+    try:
+        return trainer.fit()
+    except TrainingFailedError as exc:
+        summary, details = root_cause(exc)
+        raise RunFailed(summary, details) from exc
+
+
+def root_cause(exc: BaseException) -> tuple[str, str]:
+    """``("rank N: last line of the error", the failing rank's traceback)`` of a failed run."""
+    failures = getattr(exc, "worker_failures", None)
+    if failures:
+        rank, error = sorted(failures.items())[0]
+        cause = error
+        while getattr(cause, "cause", None) is not None:
+            cause = cause.cause
+        text = str(error).strip()
+        lines = str(cause).strip().splitlines()
+        return f"rank {rank}: {lines[-1] if lines else type(cause).__name__}", text
+    controller = getattr(exc, "controller_failure", None)
+    text = str(controller or exc).strip()
+    return f"run failed: {text.splitlines()[-1] if text else type(exc).__name__}", text

@@ -1,0 +1,284 @@
+"""``raytpu train`` and ``raytpu test`` on the driver: check, resolve the plan, start the workers,
+say where everything is.
+
+One preparation step for every way a run starts (:func:`plan_run`): the checks that need no
+cluster (storage, weights, data), the cluster joined (or, with ``--local``, this machine looked
+at) to find the runtime, the config resolved into a frozen :class:`~raytpu.config.plan.Plan`,
+the batch checked against the data and the workers against the cluster. The plan then runs on
+Ray Train's workers (``raytpu.driver.ray_trainer``) or on local processes (``raytpu.driver.local``),
+and both end in one :class:`RunSummary`. Nothing here touches an accelerator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raytpu.config import Config, ConfigError, dump_yaml, with_values
+from raytpu.config.batching import BatchPlan
+from raytpu.config.plan import Plan, resolve_config, storage_of
+from raytpu.driver import preflight
+from raytpu.driver.cluster import check_reachable, connect
+from raytpu.driver.signals import StopOnSignal
+from raytpu.errors import RunStopped
+from raytpu.job import Job, Synthesizes
+from raytpu.runtime.base import pick_runtime, resolve_precision
+from raytpu.worker.batch_finder import recorded_text
+from raytpu.worker.reporting import FolderReporter, best_of, entry_of, read_report
+
+os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
+
+
+# ------------------------------------------------------------------ the summary
+@dataclass(frozen=True)
+class RunSummary:
+    """How a run ended, whatever ran it: its folder, checkpoints and last metrics."""
+
+    run_dir: str
+    latest_checkpoint: str | None
+    best_checkpoint: str | None
+    metrics: dict[str, float]
+    step: int | None
+    stopped_by: int | None = None
+
+    @property
+    def tensorboard(self) -> str:
+        return f"{self.run_dir}/tensorboard"
+
+    def lines(self, found_batch: str | None = None) -> list[str]:
+        """``found_batch``: the batch ``loop.auto_find_batch_size`` stepped down to, if it did."""
+        lines = [f"run directory:     {self.run_dir}", f"config:            {self.run_dir}/config.yaml"]
+        if found_batch:
+            lines.append(f"batch size:        {found_batch}, found by auto_find_batch_size")
+        return lines + [
+            f"tensorboard:       tensorboard --logdir {self.tensorboard}",
+            f"latest checkpoint: {self.latest_checkpoint}",
+            f"best checkpoint:   {self.best_checkpoint}",
+            "final metrics:     " + json.dumps(self.metrics),
+        ]
+
+
+def summary_of(run_dir: str, reported: list[tuple[str, dict[str, Any]]], mode: str) -> RunSummary:
+    """The summary of a run from its reported checkpoints (path, metrics), oldest first: the best
+    by the one rule of ``raytpu.worker.reporting``, the metrics of the latest."""
+    entries = [entry_of(path, metrics, order) for order, (path, metrics) in enumerate(reported)]
+    best = best_of(entries, mode)
+    latest, metrics = reported[-1] if reported else (None, {})
+    return RunSummary(
+        run_dir=run_dir,
+        latest_checkpoint=latest,
+        best_checkpoint=best.name if best else None,
+        metrics={k: v for k, v in metrics.items() if "/" in k},
+        step=metrics.get("step"),
+    )
+
+
+# ------------------------------------------------------------------ data
+def resolve_data_root(cfg: Config, job: Job, synthesize: bool | None = None) -> Path:
+    """``data.path`` if it exists, else ``./data/<job>`` (with a warning), else synthesize it when
+    ``synthesize`` (None: when ``data.synthesize_if_missing``), else one error naming both.
+    data.loader=ray: the prepared tables' folder (never synthesized)."""
+    if cfg.data.loader == "ray":
+        from raytpu.storage.tables import open_prepared
+
+        prepared = open_prepared(cfg.data.path, job.name)
+        return Path(prepared.base) if "://" not in cfg.data.path else Path(cfg.data.path)
+    fallback = Path("data") / job.name
+    given = Path(cfg.data.path) if cfg.data.path else None
+    if given is not None and given.exists():
+        return given.resolve()
+    allowed = cfg.data.synthesize_if_missing if synthesize is None else synthesize
+    make = allowed and isinstance(job, Synthesizes)
+    if make and given is not None:  # the set asked for, made with this run's seed: not another one
+        return synthesize_data(cfg, job, given)
+    if fallback.exists() and given != fallback:
+        if given is not None:
+            warnings.warn(f"data.path {str(given)!r} does not exist; using {str(fallback)!r}", stacklevel=2)
+        return fallback.resolve()
+    if make:
+        return synthesize_data(cfg, job, fallback)
+    named = f"{str(given)!r} nor " if given is not None else ""
+    hint = f"make a synthetic set with `raytpu data synth {job.name} --out {given or fallback}`"
+    raise ConfigError(
+        f"no data: neither {named}{str(fallback)!r} exists; pass --data-path DIR"
+        + (f", or {hint}" if isinstance(job, Synthesizes) else "")
+    )
+
+
+def synthesize_data(cfg: Config, job: Synthesizes, target: Path) -> Path:
+    print(f"raytpu: data not found; synthesizing a small {cfg.job.name} data set in {target}", flush=True)
+    job.synthesize(target, **job.synth_options(cfg))
+    return target.resolve()
+
+
+# ------------------------------------------------------------------ the plan
+def plan_run(cfg: Config, job: Job, mode: str, address: str | None = None, local: bool = False) -> Plan:
+    """Every check, then the plan of a ``train`` or ``test`` run (and, once per sweep, of ``tune``)."""
+    if local and address:
+        raise ConfigError("--local runs without Ray: drop --address (or drop --local to use the cluster)")
+    if mode == "test" and not cfg.checkpoint.weights:
+        raise ConfigError(
+            "test mode needs weights: pass --checkpoint PATH (or --weight-path / checkpoint.weights=PATH)"
+        )
+    preflight.check_storage(cfg)
+    preflight.check_weights(cfg)
+    if local:
+        preflight.check_local(cfg)
+    else:
+        check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
+    data_root = resolve_data_root(cfg, job, synthesize=None if mode == "train" else False)
+    sizes = preflight.check_data(cfg, job, data_root, mode)
+    if local:
+        runtime = local_runtime(cfg.scaling.runtime)
+    else:
+        connect(address, quiet=mode == "test", verbose=cfg.logging.verbose)
+        accelerators = cluster_accelerators()
+        runtime = pick_runtime(cfg.scaling.runtime, accelerators["TPU"] > 0, accelerators["GPU"] > 0)
+        preflight.check_sharded_workers(cfg, runtime, accelerators)
+    precision, warning = resolve_precision(runtime, cfg.scaling.precision)
+    if warning:
+        print(f"raytpu: warning: {warning}", file=sys.stderr, flush=True)
+    resolved = resolve_config(cfg, runtime, precision)
+    for split, samples in sizes.items():
+        BatchPlan.of(resolved).check_split(split, samples, str(data_root))
+    if not local:
+        resolved = leave_cpu_for_ray_data(resolved)
+        what = f"{resolved.scaling.num_workers} {runtime} worker(s)"
+        preflight.check_fit(preflight.worker_bundles(resolved), what)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = cfg.run.name if mode == "train" else f"{cfg.run.name}/test-{stamp}"
+    plan = Plan(
+        config=resolved,
+        mode=mode,
+        storage=storage_of(cfg),
+        name=name,
+        data_root=str(data_root),
+        main_metric_mode=job.main_metric_mode,
+        split_sizes=tuple(sizes.items()),
+    )
+    print(where_it_runs(plan, where(address, local)), flush=True)
+    return plan
+
+
+def where(address: str | None, local: bool) -> str:
+    if local:
+        return "local processes"
+    address = address or os.environ.get("RAY_ADDRESS")
+    return f"the Ray cluster at {address}" if address else "the local Ray instance"
+
+
+def where_it_runs(plan: Plan, cluster: str) -> str:
+    """One line: the cluster, the workers, the runtime and precision, and the batch per worker."""
+    cfg, batch = plan.config, plan.batch
+    accum = f" x {batch.grad_accum} accumulation steps" if batch.grad_accum > 1 else ""
+    return (
+        f"raytpu: {plan.mode} {cfg.run.name} on {cluster}: {batch.workers} {cfg.scaling.runtime} "
+        f"worker(s), {cfg.scaling.precision}, {batch.per_worker} samples per worker{accum} "
+        f"(global batch {batch.global_batch})"
+    )
+
+
+def cluster_accelerators() -> dict[str, float]:
+    import ray
+
+    resources = ray.cluster_resources()
+    return {kind: resources.get(kind, 0) for kind in ("TPU", "GPU")}
+
+
+def local_runtime(requested: str) -> str:
+    """``auto`` resolved on this machine for ``--local`` (device files for a TPU, never torch_xla)."""
+    import torch
+
+    from raytpu.runtime import tpu_present
+
+    runtime = pick_runtime(requested, tpu_present(), torch.cuda.is_available())
+    if runtime == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("scaling.runtime=cuda but this machine has no GPU; use scaling.runtime=auto (or cpu)")
+    return runtime
+
+
+def leave_cpu_for_ray_data(cfg: Config) -> Config:
+    """data.loader=ray: Ray Data's read tasks need a free CPU. On a cluster whose workers would
+    reserve every CPU (a 2-core machine with 2 workers), the plan reserves less per worker."""
+    import ray
+
+    if cfg.data.loader != "ray" or cfg.scaling.cpus_per_worker < 1:
+        return cfg
+    total = ray.cluster_resources().get("CPU", 0.0)
+    spare = total - cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    if spare >= 1 or total <= 1:
+        return cfg
+    share = (total - 1) / cfg.scaling.num_workers
+    print(
+        f"raytpu: data.loader=ray: leaving 1 of the cluster's {total:g} CPUs to Ray Data "
+        f"(scaling.cpus_per_worker {cfg.scaling.cpus_per_worker:g} -> {share:g})",
+        flush=True,
+    )
+    return with_values(cfg, {"scaling.cpus_per_worker": share})
+
+
+def stage(plan: Plan) -> None:
+    """The run's folder, with the config it runs with (a training run's ``config.yaml``)."""
+    run_dir = Path(plan.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(plan.config))
+
+
+# ------------------------------------------------------------------ the commands
+def train(cfg: Config, job: Job, address: str | None = None, local: bool = False) -> RunSummary:
+    """Train through Ray (or, with ``local``, in local processes) and print where everything is."""
+    plan = plan_run(cfg, job, "train", address, local)
+    stage(plan)
+    with StopOnSignal(local=local) as stop:
+        plan = dataclasses.replace(plan, stop=stop.spec)
+        summary = train_locally(plan, stop) if local else train_on_ray(plan)
+        summary = dataclasses.replace(summary, stopped_by=stop.stopped_by())
+    print("\n".join(summary.lines(recorded_text(Path(plan.run_dir), plan.batch.global_batch))), flush=True)
+    if summary.stopped_by:
+        raise RunStopped(
+            summary.stopped_by,
+            f"stopped by {signal.Signals(summary.stopped_by).name} after checkpointing step {summary.step}; "
+            "run the same command again to resume from there",
+        )
+    return summary
+
+
+def train_on_ray(plan: Plan) -> RunSummary:
+    from raytpu.driver.ray_trainer import build_trainer, run_trainer
+
+    result = run_trainer(build_trainer(plan))
+    reported = sorted(
+        ((checkpoint.path, metrics) for checkpoint, metrics in result.best_checkpoints),
+        key=lambda pair: pair[1].get("report", 0),
+    )
+    if result.checkpoint is not None and all(path != result.checkpoint.path for path, _ in reported):
+        reported.append((result.checkpoint.path, result.metrics or {}))
+    summary = summary_of(plan.run_dir, reported, plan.main_metric_mode)
+    latest = result.checkpoint.path if result.checkpoint else None
+    return dataclasses.replace(summary, latest_checkpoint=latest, step=(result.metrics or {}).get("step"))
+
+
+def train_locally(plan: Plan, stop: StopOnSignal) -> RunSummary:
+    from raytpu.driver.local import run_processes
+
+    run_processes(plan, stop)
+    folder = FolderReporter(Path(plan.run_dir))
+    reported = [(str(path), read_report(path)) for path in folder.complete()]
+    return summary_of(plan.run_dir, reported, plan.main_metric_mode)
+
+
+def test(cfg: Config, job: Job, address: str | None = None) -> dict[str, float]:
+    """Evaluate ``checkpoint.weights``; returns the test metrics."""
+    from raytpu.driver.ray_trainer import build_trainer, run_trainer
+
+    plan = plan_run(cfg, job, "test", address)
+    result = run_trainer(build_trainer(plan))
+    return json.loads((Path(result.checkpoint.path) / "test_metrics.json").read_text())

@@ -1,0 +1,229 @@
+"""``raytpu submit CONFIG [overrides] [--address URL] [--no-wait]``: ``raytpu train`` as a Ray job
+(``raytpu submit launch [--address URL] [--no-wait] [launch options] SCRIPT [args]``: ``raytpu launch``).
+
+A thin layer over Ray's ``JobSubmissionClient`` (what ``ray job submit`` calls): the config is
+checked here first, so that a bad key fails before anything is uploaded; the project folder
+(the current directory, less data, results and environments) becomes the job's working
+directory, so ``jobs/`` and the config travel with it; the entrypoint is ``raytpu train CONFIG
+OVERRIDES``, which runs on the head node and joins the cluster through the ``RAY_ADDRESS`` Ray
+sets for jobs. raytpu itself must be installed on every node (``cluster.yaml`` does it).
+
+Token authentication (on by default in Ray 2.60) is passed on: the token is read from
+``RAY_AUTH_TOKEN``, the file ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token`` and sent as a
+bearer header, whether or not ``RAY_AUTH_MODE=token`` is exported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import re
+import shlex
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from raytpu.config import Config, load_config
+from raytpu.config.args import extract
+from raytpu.driver.preflight import check_storage_is_a_folder
+
+# Never uploaded with the working directory (gitignore syntax, relative to it): data sets,
+# run outputs, environments and caches. Ray refuses working directories over 500 MiB.
+EXCLUDES = [
+    "/data",
+    "/results",
+    "/.venv",
+    "/venv",
+    "/.git",
+    "__pycache__",
+    "*.egg-info",
+    ".pytest_cache",
+    ".ruff_cache",
+    "*.safetensors",
+    "*.pt",
+    "*.pth",
+]
+
+
+class SubmitError(ValueError):
+    """A submission problem the user can fix (a ValueError, so the CLI prints one line)."""
+
+
+def split_args(items: list[str]) -> tuple[str | None, bool, list[str]]:
+    """``(address, wait, overrides)`` from what follows the config on the command line."""
+    rest, found = extract(items, valued=["--address"], switches=["--no-wait"])
+    return found.get("--address", [None])[0], "--no-wait" not in found, rest
+
+
+def dashboard_url(address: str | None, environ: Mapping[str, str] = os.environ) -> str:
+    """The Ray dashboard URL jobs are submitted to: ``--address``, else ``RAY_ADDRESS``; ``http://`` if no scheme."""
+    address = address or environ.get("RAY_ADDRESS") or ""
+    if not address:
+        raise SubmitError(
+            "submit needs the cluster's dashboard address: --address http://HEAD:8265 (or export RAY_ADDRESS)"
+        )
+    if address.startswith("ray://") or address == "auto":
+        raise SubmitError(f"--address {address!r}: jobs are submitted to the dashboard, e.g. http://HEAD:8265")
+    return address if "://" in address else f"http://{address}"
+
+
+def entrypoint(config: str, overrides: list[str]) -> str:
+    """The shell command the job runs on the head node."""
+    return shlex.join(["raytpu", "train", config, *overrides])
+
+
+def runtime_env(project: Path) -> dict[str, Any]:
+    """The job's runtime environment: the project folder as working directory, without its data and outputs."""
+    return {"working_dir": str(project), "excludes": list(EXCLUDES)}
+
+
+def submission_id(run_name: str, now: datetime.datetime | None = None) -> str:
+    """A readable, unique job id: ``raytpu-<run name>-<UTC time>``."""
+    stamp = (now or datetime.datetime.now(datetime.timezone.utc)).strftime("%Y%m%d-%H%M%S")
+    return f"raytpu-{re.sub(r'[^A-Za-z0-9_-]+', '-', run_name)}-{stamp}"
+
+
+def auth_headers(environ: Mapping[str, str] = os.environ, home: Path | None = None) -> dict[str, str]:
+    """Ray's bearer-token header from ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``
+    (nothing when there is no token or ``RAY_AUTH_MODE=disabled``)."""
+    if environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        return {}
+    token = environ.get("RAY_AUTH_TOKEN", "").strip()
+    if not token:
+        path = Path(environ["RAY_AUTH_TOKEN_PATH"]) if environ.get("RAY_AUTH_TOKEN_PATH") else None
+        path = path or (home or Path.home()) / ".ray" / "auth_token"
+        token = path.read_text().strip() if path.is_file() else ""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def cluster_warnings(cfg: Config) -> list[str]:
+    """Paths in the config that would not mean on the cluster what they mean here."""
+    notes = []
+    if not _is_absolute(cfg.run.storage_path):
+        notes.append(
+            f"run.storage_path {cfg.run.storage_path!r} is relative: on the cluster it is inside the job's "
+            "temporary working directory; pass a folder every node mounts (NFS, or a bucket through Cloud Storage FUSE)"
+        )
+    if cfg.data.path and not _is_absolute(cfg.data.path):
+        notes.append(
+            f"data.path {cfg.data.path!r} is relative and data/ is not uploaded: the job "
+            + ("synthesizes it" if cfg.data.synthesize_if_missing else "will not find it")
+            + "; pass data.path=<a path that exists on the cluster>"
+        )
+    return notes
+
+
+def follow_up(address: str, job_id: str, cfg: Config) -> list[str]:
+    """What to run next: logs, status, stop, and TensorBoard on the run's folder."""
+    where = f"--address {address}"
+    board = f"{cfg.run.storage_path.rstrip('/')}/{cfg.run.name}/tensorboard"
+    return [
+        f"submitted job:  {job_id}",
+        f"follow logs:    ray job logs {where} --follow {job_id}",
+        f"status:         ray job status {where} {job_id}",
+        f"stop:           ray job stop {where} {job_id}",
+        f"tensorboard:    tensorboard --logdir {board}   (where run.storage_path is: the head node or shared storage)",
+        f"dashboard:      {address}",
+    ]
+
+
+def _is_absolute(path: str) -> bool:
+    return "://" in path or Path(path).is_absolute()
+
+
+def connect(address: str) -> Any:
+    """A ``JobSubmissionClient`` for ``address``, or a one-line error saying what is wrong."""
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(address, headers=auth_headers())
+    except ConnectionError as exc:
+        reason = _first_line(exc)
+        raise SubmitError(f"cannot reach the Ray dashboard at {address}: is the cluster up? ({reason})") from exc
+    except (AuthenticationError, RuntimeError) as exc:
+        raise SubmitError(_auth_message(address, exc)) from exc
+
+
+def _auth_message(address: str, exc: BaseException) -> str:
+    text = _first_line(exc)
+    if "authentication" in str(exc).lower() or "401" in text or "403" in text:
+        return (
+            f"{address} refused the request ({text}); token authentication is on: put the cluster's token "
+            "in ~/.ray/auth_token or export RAY_AUTH_TOKEN"
+        )
+    return f"{address}: {text}"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def wait_for(client: Any, job_id: str) -> str:
+    """Stream the job's logs until it ends; its final status."""
+
+    async def tail() -> None:
+        async for lines in client.tail_job_logs(job_id):
+            print(lines, end="", flush=True)
+
+    asyncio.run(tail())
+    return str(client.get_job_status(job_id).value)
+
+
+def launch_entrypoint(items: list[str]) -> tuple[str | None, bool, Config, str]:
+    """``raytpu submit launch [--address URL] [--no-wait] [launch options] SCRIPT [args]``:
+    ``(address, wait, cfg, entrypoint)``. The options are checked as ``raytpu launch`` checks
+    them; ``--address`` is the dashboard's here (on the cluster the job finds it in
+    ``RAY_ADDRESS``); the script and its arguments pass through untouched."""
+    from raytpu.compat.launch import LAUNCH_TEXT, add_launch_arguments, settings_from
+    from raytpu.config.args import Parser
+
+    parser = Parser(prog="raytpu submit launch", description=LAUNCH_TEXT)
+    add_launch_arguments(parser)
+    parser.add_argument("--no-wait", action="store_true", help="submit and return")
+    args = parser.parse_args(items)
+    settings = settings_from(args)
+    options, found = extract(items[: len(items) - len(args.script_args) - 1], ["--address"], switches=["--no-wait"])
+    command = ["raytpu", "launch", *options, args.script, *args.script_args]
+    return found.get("--address", [None])[0], "--no-wait" not in found, settings.config, shlex.join(command)
+
+
+def main(config: str, overrides: list[str]) -> int:
+    """Check the config, submit the job, print how to follow it; with waiting, its exit status."""
+    if config == "launch":
+        address, wait, cfg, command = launch_entrypoint(overrides)
+    else:
+        address, wait, overrides = split_args(overrides)
+        cfg, _ = load_config(config, overrides)  # a bad key fails here, before anything is uploaded
+        command = entrypoint(config, overrides)
+    check_storage_is_a_folder(cfg.run.storage_path)  # the cluster's paths are checked there, not here
+    url = dashboard_url(address)
+    client = connect(url)
+    for note in cluster_warnings(cfg):
+        print(f"raytpu: warning: {note}", file=sys.stderr)
+    try:
+        job_id = client.submit_job(
+            entrypoint=command,
+            submission_id=submission_id(cfg.run.name),
+            runtime_env=runtime_env(Path.cwd()),
+            metadata={"raytpu_config": config, "raytpu_run": cfg.run.name},
+        )
+    except Exception as exc:  # the SDK raises RuntimeError or AuthenticationError, both with a readable first line
+        raise SubmitError(_auth_message(url, exc)) from exc
+    print("\n".join(follow_up(url, job_id, cfg)), flush=True)
+    if not wait:
+        return 0
+    try:
+        status = wait_for(client, job_id)
+    except KeyboardInterrupt:
+        print(f"raytpu: stopped following; the job keeps running (ray job stop --address {url} {job_id})")
+        return 130
+    if status != "SUCCEEDED":
+        info = client.get_job_info(job_id)
+        print(f"raytpu: error: job {job_id} {status}: {_first_line(Exception(info.message or ''))}", file=sys.stderr)
+        return 1
+    print(f"job {job_id} succeeded", flush=True)
+    return 0

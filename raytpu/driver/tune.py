@@ -1,0 +1,352 @@
+"""``raytpu tune``: a Ray Tune search where every trial is a distributed ``TorchTrainer``.
+
+Ray 2.60 (Train V2) pattern: ``Tuner(driver)`` runs one small driver per
+trial; the driver builds the trial's config, applies the learning-rate scaling
+and calls ``TorchTrainer.fit()`` with Tune's ``TuneReportCallback``, so the
+loop keeps reporting through ``ray.train.report`` exactly as in training.
+Tune does not reserve the trials' workers, so the driver asks for almost no
+CPU and the number of concurrent trials is derived from what the cluster can fit.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ray.tune import Callback
+
+from raytpu.config import Config, ConfigError, TuneConfig, dump_yaml, from_dict, load_config, to_dict, with_values
+from raytpu.config.args import extract
+from raytpu.config.batching import BatchPlan
+from raytpu.config.plan import Plan, resolve_config
+from raytpu.driver import preflight
+from raytpu.driver.search import Search, parse_search, searches_of
+from raytpu.job import Job
+
+#: what a trial's driver reserves: no CPU (it only waits on its TorchTrainer, whose workers need
+#: the CPUs: with any CPU here, 2 workers x 1 CPU never fit a 2-CPU machine) and 1 MiB of memory,
+#: because Tune refuses a trial that reserves nothing at all
+DRIVER_RESOURCES = {"CPU": 0.0, "memory": float(2**20)}
+#: the loop's cumulative report counter: ASHA's time unit, unlike Tune's
+#: ``training_iteration`` it does not restart when a resumed trial reruns its driver
+REPORT_COUNT = "report"
+
+#: ``raytpu tune`` flags -> ``tune.*`` keys (they win over a job's seed-flag aliases of the same name)
+FLAGS = {
+    "--samples": "tune.num_samples",
+    "--metric": "tune.metric",
+    "--mode": "tune.mode",
+    "--scheduler": "tune.scheduler",
+    "--max-concurrent": "tune.max_concurrent",
+    "--name": "tune.name",
+    "--lr-scaling": "tune.lr_scaling",
+    "--max-t": "tune.max_t",
+    "--grace-period": "tune.grace_period",
+    "--reduction-factor": "tune.reduction_factor",
+}
+
+
+# ------------------------------------------------------------------ trials
+def trial_config(base: Config, values: dict[str, Any]) -> Config:
+    """The config one trial trains with: the base, the searched values, the lr scaling."""
+    cfg = with_values(base, values)
+    lr = scaled_lr(cfg.optim.lr, cfg.data.global_batch_size, cfg.tune, base.data.global_batch_size)
+    return with_values(cfg, {"optim.lr": lr})
+
+
+def scaled_lr(lr: float, batch: int, tune_cfg: Any, config_batch: int) -> float:
+    """``tune.lr_scaling``: the lr is for ``reference_batch_size``; a trial with
+    another batch scales it linearly (Goyal et al.) or by the square root."""
+    reference = tune_cfg.reference_batch_size or config_batch
+    ratio = batch / reference
+    if tune_cfg.lr_scaling == "linear":
+        return lr * ratio
+    if tune_cfg.lr_scaling == "sqrt":
+        return lr * math.sqrt(ratio)
+    return lr
+
+
+def run_trial(values: dict[str, Any], base: dict[str, Any], sweep_plan: dict[str, Any], runs_dir: str) -> None:
+    """The Tune trainable: the trial's plan (the sweep's, with the trial's config), its ``TorchTrainer``."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from raytpu.driver.ray_trainer import build_trainer
+    from raytpu.driver.runs import stage
+
+    trial_id = tune.get_context().get_trial_id()
+    plan = trial_plan(from_dict(base)[0], Plan.from_dict(sweep_plan), values, trial_id, runs_dir)
+    stage(plan)
+    build_trainer(plan, callbacks=[TuneReportCallback()]).fit()
+
+
+def trial_plan(base: Config, sweep: Plan, values: dict[str, Any], trial_id: str, runs_dir: str) -> Plan:
+    """A trial's plan: the sweep's (runtime, precision, data, CPUs per worker) with the trial's own
+    config, resolved and checked against the data as the sweep's was; a folder of its own."""
+    scaling = sweep.config.scaling
+    cfg = with_values(
+        trial_config(base, values),
+        # the sweep records the searched values, early-stopped trials included
+        {"run.name": trial_id, "run.storage_path": runs_dir, "logging.hparams": False},
+    )
+    resolved = with_values(
+        resolve_config(cfg, scaling.runtime, scaling.precision), {"scaling.cpus_per_worker": scaling.cpus_per_worker}
+    )
+    for split, samples in sweep.split_sizes:
+        BatchPlan.of(resolved).check_split(split, samples, sweep.data_root)
+    return dataclasses.replace(sweep, config=resolved, storage=runs_dir, name=trial_id)
+
+
+def reports_per_trial(cfg: Config) -> int:
+    """ASHA's horizon: the reports (eval rounds) a full trial makes, from the config alone."""
+    if cfg.tune.max_t:
+        return cfg.tune.max_t
+    if not cfg.checkpoint.every_steps and not cfg.loop.max_steps:
+        return cfg.loop.epochs
+    if cfg.checkpoint.every_steps and cfg.loop.max_steps:
+        return math.ceil(cfg.loop.max_steps / cfg.checkpoint.every_steps)
+    raise ConfigError("cannot tell how many reports a trial makes; set tune.max_t (reports per full trial)")
+
+
+def max_concurrent_trials(cfg: Config, nodes: list[dict[str, float]]) -> int:
+    """Trials whose workers all fit on the cluster's nodes at once (at least one). Tune does not
+    reserve the workers of a trial, so more trials would start drivers whose TorchTrainers wait on
+    each other for ever: a larger ``tune.max_concurrent`` is clamped to this, with a warning."""
+    fits = preflight.concurrent_fits(preflight.worker_bundles(cfg), nodes)
+    asked = cfg.tune.max_concurrent
+    if asked > fits:
+        print(
+            f"raytpu: warning: --max-concurrent {asked}: only {fits} trial(s) of {cfg.scaling.num_workers} "
+            f"worker(s) fit this cluster at once; running {fits} at a time, the rest queue",
+            flush=True,
+        )
+    return min(asked, fits) if asked else fits
+
+
+# ------------------------------------------------------------------ output
+def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class Sweep:
+    """What one ``raytpu tune`` run knows: the config, the searches, where things go."""
+
+    def __init__(self, cfg: Config, job: Job, searches: list[Search], data_root: str = "") -> None:
+        self.cfg, self.job, self.searches = cfg, job, searches
+        self.metric = cfg.tune.metric or f"valid/{job.main_metric}"
+        self.mode = cfg.tune.mode or job.main_metric_mode
+        self.name = cfg.tune.name or f"{cfg.run.name}-tune"
+        self.dir = Path(cfg.run.storage_path).resolve() / self.name
+        self.max_t = reports_per_trial(cfg)
+        self.data_root = data_root or cfg.data.path
+
+    @property
+    def columns(self) -> list[str]:
+        scaled = ["lr (scaled)"] if self.cfg.tune.lr_scaling != "none" else []
+        return ["trial", *(s.key for s in self.searches), *scaled, self.metric, "reports", "status"]
+
+    def row(self, trial_id: str, values: dict[str, Any], metrics: dict[str, Any] | None, status: str) -> dict:
+        metrics = metrics or {}
+        reports = metrics.get(REPORT_COUNT)
+        if status == "TERMINATED":
+            status = "done" if reports is not None and reports >= self.max_t else "stopped early"
+        row = {"trial": trial_id, **values, self.metric: metrics.get(self.metric), "reports": reports}
+        row["status"] = status.lower()
+        if self.cfg.tune.lr_scaling != "none":
+            row["lr (scaled)"] = trial_config(self.cfg, values).optim.lr
+        return row
+
+
+class TableCallback(Callback):
+    """Prints the trials' table while the sweep runs: on every trial's end, and on
+    results at most every ``every_s`` seconds."""
+
+    def __init__(self, sweep: Sweep, every_s: float = 10.0) -> None:
+        self.sweep, self.every_s, self.last = sweep, every_s, 0.0
+
+    def _print(self, trials: list[Any], force: bool = False, ended: Any = None, status: str = "") -> None:
+        """``ended``: the trial this callback is told about, whose ``status`` Tune sets only after."""
+        now = time.monotonic()
+        if not force and now - self.last < self.every_s:
+            return
+        self.last = now
+        rows = [
+            self.sweep.row(t.trial_id, dict(t.config), t.last_result, status if t is ended else t.status)
+            for t in trials
+        ]
+        print("\n" + format_table(rows, self.sweep.columns), flush=True)
+
+    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+        self._print(trials)
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._print(trials, force=True, ended=trial, status="TERMINATED")
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._print(trials, force=True, ended=trial, status="ERROR")
+
+
+# -------------------------------------------------------------------- run
+def run(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
+    """Run (or resume) the sweep; write the table, ``results.csv`` and ``best.yaml``."""
+    from ray import tune
+
+    from raytpu.driver.runs import plan_run
+
+    searches = searches_of(cfg)
+    plan = plan_run(cfg, job, "train", address)
+    sweep = Sweep(cfg, job, searches, plan.data_root)
+    concurrent = max_concurrent_trials(plan.config, preflight.read_cluster().nodes)
+    runs = str(sweep.dir / "runs")
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, base=to_dict(cfg), sweep_plan=plan.as_dict(), runs_dir=runs),
+        DRIVER_RESOURCES,
+    )
+    tuner = make_tuner(sweep, trainable, concurrent)
+    print(
+        f"raytpu: sweep {sweep.name}: {cfg.tune.num_samples} sample(s), up to {concurrent} at once, "
+        f"{cfg.tune.scheduler} on {sweep.metric} ({sweep.mode}); directory {sweep.dir}",
+        flush=True,
+    )
+    results = tuner.fit()
+    return finish(sweep, results)
+
+
+def make_tuner(sweep: Sweep, trainable: Any, concurrent: int) -> Any:
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    if tune.Tuner.can_restore(str(sweep.dir)):
+        print(f"raytpu: resuming sweep {sweep.dir} (finished trials are kept)", flush=True)
+        return tune.Tuner.restore(str(sweep.dir), trainable, resume_unfinished=True, resume_errored=True)
+    tc = sweep.cfg.tune
+    scheduler = (
+        ASHAScheduler(
+            time_attr=REPORT_COUNT,
+            max_t=sweep.max_t,
+            grace_period=tc.grace_period,
+            reduction_factor=tc.reduction_factor,
+        )
+        if tc.scheduler == "asha"
+        else FIFOScheduler()
+    )
+    return tune.Tuner(
+        trainable,
+        param_space={s.key: s.domain() for s in sweep.searches},
+        tune_config=tune.TuneConfig(
+            metric=sweep.metric,
+            mode=sweep.mode,
+            num_samples=tc.num_samples,
+            scheduler=scheduler,
+            max_concurrent_trials=concurrent,
+        ),
+        run_config=tune.RunConfig(
+            name=sweep.name,
+            storage_path=str(sweep.dir.parent),
+            callbacks=[TableCallback(sweep)],
+            verbose=0,
+        ),
+    )
+
+
+def finish(sweep: Sweep, results: Any) -> dict[str, Any]:
+    rows = []
+    for result in results:
+        status = "ERROR" if result.error else "TERMINATED"
+        rows.append(sweep.row(trial_id_of(result), dict(result.config), result.metrics, status))
+    print("\n" + format_table(rows, sweep.columns), flush=True)
+    csv_path = sweep.dir / "results.csv"
+    write_csv(csv_path, rows, sweep.columns)
+    summary: dict[str, Any] = {"sweep_dir": str(sweep.dir), "results_csv": str(csv_path), "best_config": None}
+    scored = [r for r in rows if r[sweep.metric] is not None]
+    write_hparams(sweep, rows)
+    if scored:
+        best = (max if sweep.mode == "max" else min)(scored, key=lambda r: r[sweep.metric])
+        values = {s.key: best[s.key] for s in sweep.searches}
+        best_path = write_best_config(sweep, values)
+        summary.update(best_config=str(best_path), best_trial=best["trial"], best_metric=best[sweep.metric])
+        print(f"best trial:   {best['trial']} {sweep.metric}={best[sweep.metric]:.4g} {values}")
+        print(f"best config:  {best_path}  (raytpu train {best_path})")
+    print(f"results:      {csv_path}")
+    print(f"tensorboard:  tensorboard --logdir {sweep.dir / 'runs'}  (HPARAMS tab compares the trials)", flush=True)
+    return summary
+
+
+def trial_id_of(result: Any) -> str:
+    return str((result.metrics or {}).get("trial_id") or Path(result.path).name)
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_best_config(sweep: Sweep, values: dict[str, Any]) -> Path:
+    """A YAML that ``raytpu train`` runs as the best trial ran (same values, seed and scaled lr)."""
+    cfg = with_values(trial_config(sweep.cfg, values), {"run.name": f"{sweep.name}-best", "data.path": sweep.data_root})
+    cfg = dataclasses.replace(cfg, tune=TuneConfig())  # runtime and the rest as asked: best.yaml stays portable
+    path = sweep.dir / "best.yaml"
+    header = f"# best trial of sweep {sweep.name} on {sweep.metric} ({sweep.mode}): {values}\n"
+    path.write_text(header + dump_yaml(cfg))
+    return path
+
+
+def write_hparams(sweep: Sweep, rows: list[dict[str, Any]]) -> None:
+    """Each trial's searched values into its own TensorBoard run, so that the HPARAMS
+    tab lines the trials up against the metric the run already logs as a scalar."""
+    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.summary import hparams
+
+    for row in rows:
+        log_dir = sweep.dir / "runs" / row["trial"] / "tensorboard"
+        if not log_dir.is_dir() or row[sweep.metric] is None:
+            continue
+        values = {s.key: row[s.key] for s in sweep.searches}
+        with SummaryWriter(log_dir=str(log_dir)) as writer:
+            for summary in hparams(values, {sweep.metric: row[sweep.metric]}):
+                writer.file_writer.add_summary(summary)
+
+
+# -------------------------------------------------------------------- CLI
+def split_flags(overrides: list[str]) -> tuple[list[str], list[str], str | None]:
+    """Pull the tune flags (and ``--address``) out of the overrides: (overrides, tune overrides, address)."""
+    rest, found = extract(overrides, valued=[*FLAGS, "--address"], repeated=["--search"], switches=["--verbose"])
+    tuned = [f"{FLAGS[flag]}={values[0]}" for flag, values in found.items() if flag in FLAGS]
+    tuned += ["logging.verbose=true"] if "--verbose" in found else []
+    searches = {parse_search(text).key: text.split("=", 1)[1].strip() for text in found.get("--search", [])}
+    if searches:
+        tuned.append("tune.search=" + json.dumps(searches))  # JSON is a YAML flow mapping
+    return rest, tuned, found.get("--address", [None])[0]
+
+
+def main(config_path: str, overrides: list[str]) -> int:
+    rest, tuned, address = split_flags(overrides)
+    cfg, job = load_config(config_path, rest + tuned)
+    summary = run(cfg, job, address)
+    return 0 if summary.get("best_config") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2:]))

@@ -1,0 +1,86 @@
+"""Ray Train's torch backends: for XLA workers a gloo process group on the host, no ``torch_tpu``;
+for every runtime, gloo's connection notice kept off the console at default verbosity.
+
+Ray 2.60 picks a worker's torch device from the accelerators Ray gave it: a worker holding
+``TPU`` resources gets Ray's ``torch_tpu`` device manager, and ``TorchTrainer``'s process-group
+setup (``_set_torch_distributed_env_vars`` -> ``ray.train.torch.get_device()``) then fails on
+every torch_xla TPU worker with "Using TPUTorchDeviceManager but torch_tpu is not available",
+even with ``TorchConfig(backend="gloo")``. raytpu's XLA workers drive the TPU through
+torch_xla and keep only a host-side gloo group in torch.distributed, so this backend sets
+Ray's per-process device manager to the CPU one in each worker before Ray's own setup runs.
+
+It reaches into two Ray internals (``_TorchBackend`` and the cached device manager);
+``tests/test_fake_tpu_cluster.py`` runs it on a fake TPU cluster so that a Ray upgrade that
+moves them fails a test rather than a TPU run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ray.train.torch import TorchConfig
+from ray.train.torch.config import _TorchBackend
+
+from raytpu.worker.logger import mute_stdout, unmute_stdout
+
+
+def _host_device_manager() -> None:
+    import ray.air._internal.device_manager as device_manager
+
+    with device_manager._torch_device_manager_lock:
+        device_manager._torch_device_manager = device_manager.CPUTorchDeviceManager()
+
+
+def _forget_host_device() -> None:
+    # Ray exports the device it chose for Hugging Face Accelerate; "cpu" would mislead it on an XLA worker.
+    os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
+
+
+class _QuietBackend(_TorchBackend):
+    """Ray's torch backend, with gloo's per-rank connection notice (printed from C++ on stdout)
+    hidden while the process group connects."""
+
+    def on_start(self, worker_group: Any, backend_config: TorchConfig) -> None:
+        worker_group.execute(mute_stdout)
+        try:
+            super().on_start(worker_group, backend_config)
+        finally:
+            worker_group.execute(unmute_stdout)
+
+
+class _XLAHostBackend(_QuietBackend):
+    def on_start(self, worker_group: Any, backend_config: TorchConfig) -> None:
+        worker_group.execute(_host_device_manager)
+        super().on_start(worker_group, backend_config)
+        worker_group.execute(_forget_host_device)
+
+
+@dataclass
+class QuietTorchConfig(TorchConfig):
+    """``TorchConfig`` whose process-group start prints nothing."""
+
+    @property
+    def backend_cls(self) -> type:
+        return _QuietBackend
+
+
+@dataclass
+class XLAHostTorchConfig(TorchConfig):
+    """``TorchConfig(backend="gloo")`` whose workers may hold TPU resources without ``torch_tpu``."""
+
+    backend: str = "gloo"
+
+    @property
+    def backend_cls(self) -> type:
+        return _XLAHostBackend
+
+
+def torch_config(runtime: str, verbose: bool = False) -> TorchConfig:
+    """The process-group config for a runtime: NCCL on cuda, gloo elsewhere (host-side on xla);
+    quiet unless ``verbose``."""
+    if runtime == "xla":
+        return XLAHostTorchConfig()
+    backend = "nccl" if runtime == "cuda" else "gloo"
+    return TorchConfig(backend=backend) if verbose else QuietTorchConfig(backend=backend)

@@ -1,0 +1,1 @@
+"""Where runs and data live: parquet tables for Ray Data."""

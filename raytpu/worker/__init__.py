@@ -1,0 +1,1 @@
+"""The worker side: the one entry every worker starts in, the training loop and what it uses."""

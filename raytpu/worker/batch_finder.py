@@ -1,0 +1,234 @@
+"""``loop.auto_find_batch_size``: the largest per-device batch that fits, on every runtime.
+
+Accelerate's ``find_executable_batch_size`` (what Transformers' ``Trainer`` uses) runs an attempt
+and backs off when its ``should_reduce_batch_size`` recognises an out-of-memory error, which it
+does for CUDA/CPU/XPU/HPU messages only: XLA's ``RESOURCE_EXHAUSTED`` (a device buffer that cannot
+be allocated in HBM, or a program that does not fit in HBM at compile time) is translated here into
+the one-argument ``RuntimeError`` it recognises. Each step down halves the per-device micro-batch
+and doubles ``loop.grad_accum``, so ``data.global_batch_size`` never changes.
+
+One worker retries in-process with a fresh trainer (which resumes from the run's last checkpoint).
+Several cannot: an out-of-memory on one rank leaves the others waiting in an all-reduce. The rank
+that hits it records the smaller batch in the run folder (:data:`RECORD`) and fails the attempt
+(:class:`BatchReduced`); the group restarts (Ray Train's ``FailureConfig``, or ``raytpu train
+--local``) and every rank starts from the smallest batch any rank recorded. A resumed run reads the
+same record.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from raytpu.config import Config, with_values
+from raytpu.config.batching import BatchPlan
+from raytpu.worker.checkpoint import save_json
+
+if TYPE_CHECKING:
+    from raytpu.runtime.base import Runtime
+
+T = TypeVar("T")
+
+RECORD = "auto_batch_size.json"  # in the run folder: the batch the finder settled on
+#: ``raytpu train --local``: a worker that exits with this status asks for a restart (EX_TEMPFAIL)
+EXIT_BATCH_REDUCED = 75
+#: what an XLA out-of-memory error says beside ``RESOURCE_EXHAUSTED`` (lower case); other
+#: exhausted resources (gRPC message sizes, files, VMEM tiling) are not a batch size problem
+XLA_OOM_WORDS = ("hbm", "attempting to allocate", "attempting to reserve", "error allocating device buffer")
+
+
+class BatchReduced(RuntimeError):
+    """This attempt of a multi-worker run ended so that the group restarts with a smaller batch."""
+
+
+class NoBatchFits(RuntimeError):
+    """Out of memory at one sample per device: there is no smaller batch to try."""
+
+
+def reduction_message(failed_at: int, plan: BatchPlan, devices: int) -> str:
+    return f"auto_find_batch_size: out of memory at {failed_at} per device; now {plan.describe(devices)}"
+
+
+def max_reductions(per_worker_batch: int) -> int:
+    """Step-downs a batch allows before one sample: each at least halves it (floor of log2)."""
+    return max(per_worker_batch, 1).bit_length() - 1
+
+
+def group_restarts(cfg: Config) -> int:
+    """Restarts a multi-worker run may need for its batch reductions (0 without the finder)."""
+    if not cfg.loop.auto_find_batch_size or cfg.scaling.num_workers == 1:
+        return 0
+    return max_reductions(BatchPlan.of(cfg).per_worker)
+
+
+def ray_max_failures(cfg: Config) -> int:
+    """``FailureConfig.max_failures`` for a Ray run: ``checkpoint.max_failures`` plus one restart per
+    possible batch reduction, so that the finder works with the default 0 and leaves the user's
+    budget for real failures (Ray counts both alike; a real failure may use a spare reduction)."""
+    if cfg.checkpoint.max_failures == -1:
+        return -1
+    return cfg.checkpoint.max_failures + group_restarts(cfg)
+
+
+# ----------------------------------------------------------------- errors
+def is_xla_out_of_memory(text: str) -> bool:
+    """XLA's runtime (``RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate
+    1.00G ... (0x0x0_HBM0)``) and compile-time (``RESOURCE_EXHAUSTED: XLA:TPU compile permanent
+    error. Ran out of memory in memory space hbm ...``) out-of-memory messages, and older runtimes'
+    ``Resource exhausted: Attempting to reserve ...``."""
+    lowered = text.lower()
+    if "resource_exhausted" not in lowered and "resource exhausted" not in lowered:
+        return False
+    return any(word in lowered for word in XLA_OOM_WORDS)
+
+
+def as_out_of_memory(exc: BaseException) -> BaseException:
+    """An XLA out-of-memory error as Accelerate's finder recognises one (a one-argument
+    ``RuntimeError`` with " out of memory."); any other error is returned untouched."""
+    text = str(exc)
+    if not is_xla_out_of_memory(text):
+        return exc
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return RuntimeError(f"XLA device out of memory. {first}")
+
+
+# ----------------------------------------------------------------- record
+def record(run_dir: Path, plan: BatchPlan, devices: int, failed_at: int) -> None:
+    """Write the chosen batch into the run folder (atomically: every rank may write the same)."""
+    save_json(
+        run_dir / RECORD,
+        {
+            "global_batch_size": plan.global_batch,
+            "replicas": plan.workers * devices,
+            "grad_accum": plan.grad_accum,
+            "per_device": plan.per_device(devices),
+            "out_of_memory_at": failed_at,
+        },
+    )
+
+
+def load_record(run_dir: Path) -> dict[str, Any] | None:
+    """The run folder's record as written by :func:`record`; None when there is none (or it is unreadable)."""
+    try:
+        return json.loads((run_dir / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_record(run_dir: Path, configured: BatchPlan, devices: int) -> tuple[BatchPlan, int] | None:
+    """The recorded plan and the batch that ran out of memory, when the record is of this global
+    batch over as many replicas and smaller than ``configured``; else None (a changed config
+    searches afresh)."""
+    found = load_record(run_dir)
+    if found is None:
+        return None
+    same = (found.get("global_batch_size"), found.get("replicas")) == (
+        configured.global_batch,
+        configured.workers * devices,
+    )
+    grad_accum = found.get("grad_accum", 0)
+    if not same or grad_accum <= configured.grad_accum or grad_accum % configured.grad_accum:
+        return None
+    return replace(configured, grad_accum=grad_accum), int(found.get("out_of_memory_at", 0))
+
+
+def recorded_text(run_dir: Path, global_batch: int) -> str | None:
+    """The recorded batch in words (for the run's summary), when the finder stepped down."""
+    found = load_record(run_dir)
+    if found is None or found.get("global_batch_size") != global_batch:
+        return None
+    return BatchPlan(global_batch, found["replicas"], found["grad_accum"]).describe()
+
+
+def agree(plan: BatchPlan, failed_at: int, world_size: int) -> tuple[BatchPlan, int]:
+    """The smallest per-device batch any rank knows of (a run folder that is not shared between
+    hosts holds a record only where a rank ran out of memory)."""
+    import torch.distributed as dist
+
+    if world_size == 1 or not dist.is_initialized():
+        return plan, failed_at
+    gathered: list[tuple[int, int]] = [(0, 0)] * world_size
+    dist.all_gather_object(gathered, (plan.grad_accum, failed_at))
+    grad_accum, failed_at = max(gathered)
+    return replace(plan, grad_accum=grad_accum), failed_at
+
+
+# ----------------------------------------------------------------- finder
+class BatchFinder:
+    """One worker's search: the starting plan agreed by every rank, then Accelerate's finder. Each
+    attempt trains with a new config holding the plan's accumulation steps; the config a run
+    started with is never changed (the record and the checkpoints' ``meta.json`` say what ran)."""
+
+    def __init__(self, cfg: Config, runtime: Runtime, run_dir: Path) -> None:
+        self.cfg, self.runtime, self.run_dir = cfg, runtime, run_dir
+        self.devices = runtime.local_devices
+        configured = BatchPlan.of(cfg)
+        found = read_record(run_dir, configured, self.devices) or (configured, 0)
+        self.plan, failed_at = agree(*found, runtime.world_size)
+        if self.plan != configured:
+            self._announce(reduction_message(failed_at, self.plan, self.devices))
+
+    def config(self) -> Config:
+        """The config of the current plan: its accumulation steps (and per-device batch, when given)."""
+        values: dict[str, int] = {"loop.grad_accum": self.plan.grad_accum}
+        if self.cfg.data.per_device_train_batch_size:
+            values["data.per_device_train_batch_size"] = self.plan.per_device(self.devices)
+        return with_values(self.cfg, values)
+
+    def run(self, fit: Callable[[Config], T]) -> T:
+        from accelerate.utils import find_executable_batch_size  # after the runtime set USE_TORCH_XLA
+
+        def attempt(per_device: int) -> T:
+            try:
+                return fit(self.config())
+            except Exception as exc:
+                translated = as_out_of_memory(exc)
+                if translated is not exc:
+                    raise translated from exc
+                if self._reduced_elsewhere():
+                    raise BatchReduced("auto_find_batch_size: another rank ran out of memory; restarting") from exc
+                raise
+
+        try:
+            return find_executable_batch_size(attempt, self.plan.per_device(self.devices), self._reduce)()
+        except RuntimeError as exc:
+            if "No executable batch size found" not in str(exc):
+                raise
+            raise NoBatchFits(
+                f"auto_find_batch_size: out of memory at 1 sample per device (global batch "
+                f"{self.plan.global_batch}); nothing smaller to try: lower data.global_batch_size, use bf16, "
+                "or shard the model (xla.mesh.fsdp)"
+            ) from None
+
+    def _reduce(self) -> int:
+        """Accelerate's ``reduce_batch_size_fn``: the next plan, recorded; 0 when there is none."""
+        smaller = self.plan.smaller(self.devices)
+        if smaller is None:
+            return 0
+        failed_at, self.plan = self.plan.per_device(self.devices), smaller
+        record(self.run_dir, smaller, self.devices, failed_at)
+        message = reduction_message(failed_at, smaller, self.devices)
+        if self.runtime.world_size > 1:
+            raise BatchReduced(f"{message}; restarting the worker group")
+        self._announce(message)
+        return smaller.per_device(self.devices)
+
+    def _reduced_elsewhere(self) -> bool:
+        """A multi-worker attempt that failed because a peer stepped down (its collective broke)."""
+        if self.runtime.world_size == 1:
+            return False
+        return read_record(self.run_dir, self.plan, self.devices) is not None
+
+    def _announce(self, message: str) -> None:
+        if self.runtime.is_main:
+            print(f"raytpu: {message}", flush=True)
+
+
+def fit_finding_batch(cfg: Config, runtime: Runtime, run_dir: Path, fit: Callable[[Config], T]) -> T:
+    """``fit(cfg)``, through the batch finder when ``loop.auto_find_batch_size`` is on."""
+    if not cfg.loop.auto_find_batch_size:
+        return fit(cfg)
+    return BatchFinder(cfg, runtime, run_dir).run(fit)

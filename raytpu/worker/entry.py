@@ -1,0 +1,150 @@
+"""The one way a worker starts, whatever started it.
+
+The driver resolves a :class:`~raytpu.config.plan.Plan` and hands it to every worker as plain
+values: Ray Train's ``TorchTrainer`` calls :func:`ray_entry` with it (``raytpu train``, ``test``,
+``tune``, ``launch``), ``raytpu train --local`` starts ``python -m raytpu.worker.entry PLAN`` once
+per rank (:func:`local_entry`). Each builds its :class:`~raytpu.worker.reporting.Reporter` and
+calls :func:`run`, which sets the process up and runs the training loop, a test, or the user's
+script (``raytpu launch``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raytpu.config import Config
+from raytpu.config.plan import Plan
+from raytpu.job import load_job
+from raytpu.worker.batch_finder import EXIT_BATCH_REDUCED, BatchReduced, fit_finding_batch
+from raytpu.worker.checkpoint import save_json
+from raytpu.worker.reporting import FolderReporter, RayReporter, Reporter
+
+
+@dataclass(frozen=True)
+class Seat:
+    """Where this worker sits in the run: its global rank, the world size and its rank on the node."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+
+def run(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | None = None) -> None:
+    """What every worker does: the user's script (``raytpu launch``), or the loop: training (with the
+    batch finder when asked) or a test whose metrics rank 0 reports as a file."""
+    if plan.mode == "launch":
+        from raytpu.compat.script_runner import run_script_worker
+
+        run_script_worker(plan, seat, reporter)
+        return
+    from raytpu.runtime import make_runtime
+    from raytpu.worker.loop import Trainer
+
+    cfg, job = plan.config, load_job(plan.config.job.name)
+    xla = with_compile_cache(cfg, plan.run_dir).xla
+    runtime = make_runtime(cfg.scaling.runtime, cfg.scaling.precision, seat.world, seat.rank, seat.local_rank, xla)
+
+    def trainer(cfg: Config) -> Trainer:
+        return Trainer(cfg, job, runtime, Path(plan.run_dir), Path(plan.data_root), reporter, datasets)
+
+    if plan.mode == "train":
+        fit_finding_batch(cfg, runtime, Path(plan.run_dir), lambda cfg: trainer(cfg).fit())
+        return
+    metrics = trainer(cfg).test()
+    with tempfile.TemporaryDirectory(prefix="raytpu-test-") as tmp:
+        if runtime.is_main:
+            save_json(Path(tmp) / "test_metrics.json", metrics)
+        reporter.report(metrics, Path(tmp) if runtime.is_main else None, "test")
+
+
+def with_compile_cache(cfg: Config, run_dir: str) -> Config:
+    """XLA's persistent compile cache in the run folder unless ``xla.compile_cache`` names another."""
+    from raytpu.config import with_values
+
+    return cfg if cfg.xla.compile_cache else with_values(cfg, {"xla.compile_cache": str(Path(run_dir) / "xla_cache")})
+
+
+# ------------------------------------------------------------------ Ray Train
+def ray_entry(plan_values: dict[str, Any]) -> None:
+    """``train_loop_per_worker`` of every ``TorchTrainer`` raytpu builds: one call per Ray worker."""
+    import ray.train
+
+    plan = Plan.from_dict(plan_values)
+    cfg = plan.config
+    if not cfg.logging.verbose:
+        quiet_reports()
+    context = ray.train.get_context()
+    seat = Seat(context.get_world_rank(), context.get_world_size(), context.get_local_rank())
+    tpu = cfg.scaling.tpu
+    if cfg.scaling.runtime == "xla" and tpu.accelerator_type and tpu.layout == "multiprocess":
+        configure_chip_process(cfg, seat.rank)
+    reporter = RayReporter(Path(plan.run_dir), seat.rank, seat.world, plan.stop)
+    run(plan, seat, reporter, {name: ray.train.get_dataset_shard(name) for name in plan.datasets})
+
+
+def quiet_reports() -> None:
+    """Ray Train 2.60 logs every report at INFO through a logger named by its source file, outside
+    ``ray.train``, where ``RunConfig(logging_config=...)`` does not reach: set that logger's level."""
+    from ray.train.v2._internal.execution import context
+
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+def configure_chip_process(cfg: Config, world_rank: int) -> dict[str, str]:
+    """Per-chip layout: give this process torch_xla's PJRT multi-process environment
+    (before torch_xla is imported), from the slice spec and every worker's TPU worker id and
+    host address (Ray does not order the hosts by worker id: ``raytpu.runtime.tpu.chip_process_env``)."""
+    import ray
+    import torch.distributed as dist
+
+    from raytpu.runtime.tpu import apply_env, chip_process_env, slice_spec, tpu_worker_id
+
+    spec = slice_spec(cfg.scaling.tpu.accelerator_type, cfg.scaling.tpu.topology)
+    mine = (tpu_worker_id(ray.get_runtime_context().get_node_labels()), ray.util.get_node_ip_address())
+    placements: list[tuple[int, str]] = [(0, "")] * dist.get_world_size()
+    dist.all_gather_object(placements, mine)
+    env = chip_process_env(world_rank, placements, spec)
+    apply_env(env)
+    return env
+
+
+# ------------------------------------------------------------------ local processes
+def local_entry(plan_path: str) -> None:
+    """One process of ``raytpu train --local``, started torchrun-style (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``/``PORT``): its gloo group, then :func:`run` with the run folder as reporter.
+    A batch step-down exits with :data:`EXIT_BATCH_REDUCED`, and the driver restarts every rank."""
+    import torch.distributed as dist
+
+    from raytpu.worker.logger import muted_stdout
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides (raytpu.driver.signals)
+    plan = Plan.from_dict(json.loads(Path(plan_path).read_text()))
+    cfg = plan.config
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    seat = Seat(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
+    if world > 1:
+        with muted_stdout(not cfg.logging.verbose):  # gloo's "[Gloo] Rank N is connected" notice
+            dist.init_process_group("nccl" if cfg.scaling.runtime == "cuda" else "gloo")
+    keep, mode = cfg.checkpoint.num_to_keep, plan.main_metric_mode
+    reporter = FolderReporter(Path(plan.run_dir), keep, mode, rank, world, plan.stop)
+    try:
+        run(plan, seat, reporter)
+    except BatchReduced as exc:  # the driver restarts every rank; the others may be mid-collective
+        print(f"raytpu: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_BATCH_REDUCED)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    local_entry(sys.argv[1])

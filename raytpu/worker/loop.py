@@ -1,0 +1,401 @@
+"""The training loop: written once, for every job, runtime and ingest path.
+
+:class:`Trainer` runs one worker's share of a run. It knows neither Ray nor a device: the
+runtime (``raytpu.runtime``) moves tensors, reduces gradients and compiles; the worker data
+(``raytpu.worker.data``) yields batches; the checkpointer (``raytpu.worker.checkpoint``) saves and restores;
+the reporter sends reports where the run is watched (Ray Train, or a local folder); callbacks
+(``raytpu.worker.callbacks``) observe. Per step there is exactly one device sync; everything logged is
+read in a step closure, after the step's graph ran, so nothing in the step waits on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from raytpu.config import Config, dump_yaml, to_dict
+from raytpu.job import (
+    Batch,
+    CountsFlops,
+    CountsTokens,
+    CustomTest,
+    DrawsImages,
+    Job,
+    StepContext,
+    WritesText,
+    in_warmup,
+)
+from raytpu.runtime.base import Runtime
+from raytpu.worker import checkpoint as ckpt
+from raytpu.worker.cadence import Cadence, Scoreboard
+from raytpu.worker.callbacks import Callback
+from raytpu.worker.checkpoint import Checkpointer, Progress, TrainState
+from raytpu.worker.data import WorkerData, make_worker_data
+from raytpu.worker.flops import perf_scalars
+from raytpu.worker.logger import RunLogger, watch_grad_norm
+from raytpu.worker.optim import EMA, EMASchedule, build_optimizer, build_scheduler
+from raytpu.worker.reporting import Reporter
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: Config,
+        job: Job,
+        runtime: Runtime,
+        run_dir: Path,
+        data_root: Path,
+        reporter: Reporter,
+        datasets: dict[str, Any] | None = None,
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
+        """``datasets``: split -> Ray ``DataIterator``, read when ``data.loader`` is ``ray``."""
+        self.cfg, self.job, self.runtime = cfg, job, runtime
+        self.run_dir, self.data_root, self.reporter = run_dir, data_root, reporter
+        self.datasets = datasets or {}
+        self.callbacks = list(callbacks)
+        self.progress = Progress()
+        self.checkpointer = Checkpointer(runtime, job.name, to_dict(cfg))
+        self.logger: RunLogger | None = None  # set by fit(); test mode has none
+        self.data: WorkerData | None = None
+        self.model: torch.nn.Module | None = None
+        self.ema: EMA | None = None
+        self.steps_per_epoch = 0
+        self.total_steps = 0
+        self.scoreboard = Scoreboard(cfg, job, runtime)
+        self._stop_reason: str | None = None
+        self._last_log = (time.perf_counter(), 0)
+        self._restored_metrics: dict[str, float] = {}
+        self._preemption_saved = False
+        # throughput accounting (raytpu.worker.flops), set by _build: what the job declares, the run's peak
+        self.flops_per_sample: float | None = None
+        self.tokens_per_sample: int | None = None
+        self.peak_flops: float | None = None
+
+    # ------------------------------------------------------------ build
+    def _seed(self) -> None:
+        seed = self.cfg.run.seed * 1000 + self.runtime.rank
+        random.seed(seed)
+        np.random.seed(seed)
+        self.runtime.seed(seed)
+
+    def _build(self) -> None:
+        cfg, rt = self.cfg, self.runtime
+        self._seed()
+        self.data = make_worker_data(cfg, self.job, rt, self.data_root, self.datasets)
+        self.sample = self.data.sample()
+        self.steps_per_epoch = self.data.batches_per_epoch() // cfg.loop.grad_accum
+        self.total_steps = cfg.loop.max_steps or cfg.loop.epochs * self.steps_per_epoch
+        self.cadence = Cadence(
+            self.total_steps, cfg.checkpoint.every_steps, cfg.loop.eval_every_epochs, cfg.loop.eval_every_steps
+        )
+        model = self.job.build_model(cfg)
+        self._count_throughput(model)
+        if cfg.checkpoint.weights:
+            model.load_state_dict(ckpt.load_model_weights(cfg.checkpoint.weights), strict=True)
+        self.model = rt.prepare_model(model, in_warmup(self.job, cfg, 0), cfg.loop.sync_batchnorm)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(cfg.optim, self.params)
+        self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
+        self.ema = EMA(rt.unwrap(self.model)) if cfg.loop.ema_beta else None
+        self.ema_schedule = EMASchedule.from_loop(cfg.loop)
+        self.nonfinite = torch.zeros((), device=rt.device)
+        self.scoreboard.reset_loss()
+
+    def _count_throughput(self, model: torch.nn.Module) -> None:
+        """The job's FLOPs and tokens per sample, and the peak FLOP/s of the whole run (every
+        worker drives the same devices), for ``perf/tokens_per_s`` and ``perf/mfu``."""
+        rt = self.runtime
+        if isinstance(self.job, CountsFlops):
+            self.flops_per_sample = self.job.flops_per_sample(self.cfg, model)
+        if isinstance(self.job, CountsTokens):
+            self.tokens_per_sample = self.job.tokens_per_sample(self.cfg)
+        worker_peak = rt.peak_flops()
+        self.peak_flops = worker_peak * rt.world_size if worker_peak else None
+        if self.flops_per_sample and not self.peak_flops and rt.device_kind() != "cpu":
+            self._message(f"note: no documented bf16 peak for {rt.device_kind()!r}, so no perf/mfu")
+
+    @property
+    def state(self) -> TrainState:
+        return TrainState(self.model, self.ema.model if self.ema else None, self.optimizer, self.scheduler)
+
+    def _resume(self) -> None:
+        """Continue from the newest checkpoint that reads back whole; a damaged one (a crash
+        mid-write, a bad disk) is skipped with a warning that names it."""
+        for directory in self.reporter.resume_candidates() if self.cfg.checkpoint.resume else []:
+            try:
+                loaded = self.checkpointer.read(directory)
+            except ckpt.CheckpointError as exc:
+                self._message(f"warning: skipping checkpoint {exc}; trying an older one")
+                continue
+            self.progress, self._restored_metrics = self.checkpointer.restore(loaded, self.state)
+            self._message(f"resumed from {directory} at step {self.progress.step} (epoch {self.progress.epoch})")
+            return
+
+    # ------------------------------------------------------------- train
+    def fit(self) -> dict[str, float]:
+        self._build()
+        self._resume()
+        cfg = self.cfg
+        self.logger = RunLogger(
+            self.run_dir / "tensorboard",
+            self.runtime.is_main,
+            cfg.logging.tensorboard,
+            cfg.logging.progress_bar,
+            self.total_steps,
+            self.progress.step,
+        )
+        self.logger.config(dump_yaml(cfg), self.progress.step)
+        try:
+            if self.progress.step >= self.total_steps:
+                self._message(f"run already complete at step {self.progress.step}; nothing to do")
+                return self._report_final_again()
+            metrics = self._train()
+            if cfg.logging.hparams:
+                self.logger.hyperparameters(to_dict(cfg), [f"valid/{self.job.main_metric}", "train/loss"])
+            return metrics
+        finally:
+            self.runtime.finish()
+            self.logger.close()
+
+    def _train(self) -> dict[str, float]:
+        p = self.progress
+        metrics: dict[str, float] = {}
+        while p.step < self.total_steps:
+            done_in_epoch = p.step - p.epoch * self.steps_per_epoch
+            source = self.data.epoch(p.epoch, done_in_epoch * self.cfg.loop.grad_accum)
+            batches = self.runtime.device_loader(source, self.sample)
+            unused = in_warmup(self.job, self.cfg, p.epoch)  # a warm-up leaves some parameters without gradient
+            self.model = self.runtime.track_unused_parameters(self.model, unused)
+            self.model.train()
+            self._last_log = (time.perf_counter(), p.step)
+            for index in range(done_in_epoch, self.steps_per_epoch):
+                self._step(batches, index - done_in_epoch)
+                epoch_ended = index == self.steps_per_epoch - 1
+                if epoch_ended:
+                    p.epoch += 1
+                evaluate, checkpoint = self.cadence.decide(p.step, epoch_ended, p.epoch)
+                if evaluate:
+                    metrics = self.evaluate()
+                if checkpoint:
+                    self._checkpoint(metrics if evaluate else {})
+                if self._interrupted(checkpoint):
+                    return metrics
+                if p.step >= self.total_steps:
+                    break
+        return metrics
+
+    def _report_final_again(self) -> dict[str, float]:
+        """A complete run restarted (a resumed Tune trial whose last report was lost in
+        the interruption): report the final checkpoint's metrics once more, without a
+        new checkpoint, so whoever drives the run sees how it ended."""
+        metrics = self._restored_metrics
+        values = self.scoreboard.values(self.progress, metrics, scored=True)
+        self.reporter.report(values, None, f"checkpoint_{self.progress.step:08d}")
+        return metrics
+
+    def _step(self, batches: Iterator[Batch], steps_into_epoch: int) -> None:
+        p, cfg, rt = self.progress, self.cfg, self.runtime
+        for callback in self.callbacks:
+            callback.on_step_start(self, p.step + 1)
+        rt.begin_step()
+        ctx = StepContext(epoch=p.epoch, step=p.step, training=True, config=cfg)
+        with rt.compiled_step():
+            self._forward_backward_update(batches, ctx)
+        p.step += 1
+        if p.step % cfg.loop.log_every == 0 or p.step == self.total_steps:
+            rt.add_step_closure(self._log, (self._stats, p.step, self.scheduler.get_last_lr()[0]))
+        rt.mark_step()
+        if self._stop_reason:
+            raise NonFiniteLossError(self._stop_reason)
+        warning = rt.end_step(p.step, steps_into_epoch)
+        if warning:
+            self._message(f"warning: {warning}")
+        for callback in self.callbacks:
+            callback.on_step_end(self, p.step)
+
+    def _forward_backward_update(self, batches: Iterator[Batch], ctx: StepContext) -> None:
+        """Everything of one optimizer step: the part that XLA compiles as one graph."""
+        p, cfg, rt = self.progress, self.cfg, self.runtime
+        accum = cfg.loop.grad_accum
+        loss_sum = None
+        for micro in range(accum):
+            batch = next(batches)
+            with rt.no_sync(self.model, skip=micro < accum - 1), rt.autocast():
+                loss, extra = self.job.train_step(self.model, batch, ctx)
+            rt.backward(loss / accum if accum > 1 else loss)
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        grad_norm = rt.optimizer_step(self.optimizer, self.params, cfg.loop.clip_grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.ema is not None:
+            self._update_ema(self.ema_schedule.weight(p.step))
+        loss_mean = loss_sum.float() / accum
+        self.scoreboard.add_loss(loss_mean)
+        self.nonfinite = torch.maximum(self.nonfinite, (~torch.isfinite(loss_mean)).float())
+        extras = {k: v.detach().float() for k, v in extra.items() if k != "loss"}
+        self._stats = torch.stack([loss_mean, grad_norm.float(), self.nonfinite, *extras.values()])
+        self._stat_names = ["loss", "grad_norm", "nonfinite", *extras]
+
+    def _update_ema(self, weight: float) -> None:
+        """The EMA update of this step (``weight`` 0: none is due). On static-graph runtimes (XLA)
+        every step updates, with the weight as a tensor input of the graph (0 when not due), so
+        that one compiled step serves every step of the schedule. It travels as a 1-element
+        tensor: torch_xla bakes a 0-d tensor holding 0 or 1 into the graph as a constant, which
+        would compile the copy and skip steps apart from the ramped ones."""
+        model = self.runtime.unwrap(self.model)
+        if self.runtime.static_graph:
+            self.ema.update(model, torch.tensor([weight]).to(self.runtime.device).reshape(()))
+        elif weight:
+            self.ema.update(model, weight)
+
+    def _log(self, stats: torch.Tensor, step: int, lr: float) -> None:
+        """The step closure of a log step: its values, read back once the step's graph ran."""
+        cfg = self.cfg
+        values = dict(zip(self._stat_names, stats.cpu().tolist()))
+        if values.pop("nonfinite") > 0 and cfg.loop.stop_on_nonfinite:
+            self._stop_reason = (
+                f"non-finite loss before step {step} (last loss {values['loss']}); lower optim.lr, set "
+                "loop.clip_grad_norm, or set loop.stop_on_nonfinite=false to continue"
+            )
+        warning = watch_grad_norm(values["grad_norm"], step, cfg.loop.grad_norm_warn_high, cfg.loop.grad_norm_warn_low)
+        if warning:
+            self._message(f"warning: {warning}")
+        now = time.perf_counter()
+        then, then_step = self._last_log
+        step_time = (now - then) / max(step - then_step, 1)
+        self._last_log = (now, step)
+        scalars = {f"train/{k}": v for k, v in values.items()}
+        scalars.update({"train/lr": lr, "train/epoch": float(self.progress.epoch)})
+        perf = perf_scalars(
+            cfg.data.global_batch_size, step_time, self.flops_per_sample, self.tokens_per_sample, self.peak_flops
+        )
+        scalars.update(perf)
+        scalars.update(self.runtime.metrics())
+        self.logger.scalars(scalars, step)
+        postfix = {"loss": values["loss"], "lr": lr, "gnorm": values["grad_norm"]}
+        if "perf/mfu" in perf:
+            postfix["mfu"] = f"{perf['perf/mfu']:.1%}"
+        self.logger.progress(step, postfix)
+        for callback in self.callbacks:
+            callback.on_log(self, step, values)
+
+    # ----------------------------------------------------------- eval
+    def eval_model(self) -> torch.nn.Module:
+        return self.ema.model if self.ema is not None else self.runtime.unwrap(self.model)
+
+    def weights_epoch(self) -> int:
+        """The epoch whose training produced the current weights (0 before any step)."""
+        return max(self.progress.step - 1, 0) // max(self.steps_per_epoch, 1)
+
+    @torch.no_grad()
+    def evaluate(self, split: str = "valid") -> dict[str, float]:
+        """The job's metrics on ``split``, summed over batches and workers."""
+        model, rt = self.eval_model(), self.runtime
+        rt.broadcast_buffers(model)
+        model.eval()
+        epoch = self.weights_epoch() if split == "valid" else self.progress.epoch
+        ctx = StepContext(epoch=epoch, step=self.progress.step, training=False, config=self.cfg, split=split)
+        totals: dict[str, torch.Tensor] = {}
+        images = {}
+        for index, batch in enumerate(rt.device_loader(self.data.eval_batches(split))):
+            with rt.autocast():
+                stats = self.job.eval_step(model, batch, ctx)
+                if index == 0 and rt.is_main and self.cfg.logging.eval_images and self.logger is not None:
+                    images = self._images(model, batch, ctx)
+            for key, value in stats.items():
+                totals[key] = totals[key] + value if key in totals else value
+            rt.mark_step()
+        metrics = self.job.finish_eval(rt.all_reduce_sum(totals))
+        metrics = {f"{split}/{k}": float(v) for k, v in metrics.items()}
+        if self.logger is not None:
+            texts = self._texts(model, ctx) if rt.is_main and split == "valid" else {}
+            self.logger.scalars(metrics, self.progress.step)
+            self.logger.images({f"{split}/{k}": v for k, v in images.items()}, self.progress.step)
+            self.logger.texts({f"{split}/{k}": v for k, v in texts.items()}, self.progress.step)
+            self.logger.flush()
+            self._message(f"step {self.progress.step} epoch {self.progress.epoch}: " + json.dumps(metrics))
+        self.model.train()
+        for callback in self.callbacks:
+            callback.on_eval(self, split, metrics)
+        return metrics
+
+    def _images(self, model: torch.nn.Module, batch: Batch, ctx: StepContext) -> dict[str, torch.Tensor]:
+        if not isinstance(self.job, DrawsImages):
+            return {}
+        return self.job.eval_images(model, _first(batch, self.cfg.logging.eval_images), ctx)
+
+    def _texts(self, model: torch.nn.Module, ctx: StepContext) -> dict[str, str]:
+        return self.job.eval_text(model, ctx, self.data_root) if isinstance(self.job, WritesText) else {}
+
+    # ------------------------------------------------------ checkpoint
+    def _checkpoint(self, metrics: dict[str, float], reason: str = "scheduled") -> None:
+        board, p = self.scoreboard, self.progress
+        scored = board.counts_for_best(metrics, self.weights_epoch())
+        if scored:
+            board.update_best(p, metrics)
+        metrics = {**metrics, **board.train_loss()}
+        p.reports += 1
+        report = board.values(p, metrics, scored)
+        with tempfile.TemporaryDirectory(prefix="raytpu-ckpt-") as tmp:
+            self.checkpointer.save(Path(tmp), self.state, p, metrics, reason)
+            self.reporter.report(report, Path(tmp), f"checkpoint_{p.step:08d}")
+        for callback in self.callbacks:
+            callback.on_checkpoint(self, report)
+
+    def _interrupted(self, checkpointed: bool) -> bool:
+        """At every log step (the same steps on every rank) ask the reporter, which gives every
+        rank the same answer, whether to stop now (the driver got a signal) or to checkpoint now
+        (Ray says a node of the run is being preempted; once per run). Either way the current
+        step is checkpointed, without an eval, so never as the best. True: stop training."""
+        p = self.progress
+        if p.step % self.cfg.loop.log_every or p.step >= self.total_steps:
+            return False
+        reason = self.reporter.interruption()
+        if reason is None or (reason == "preempted" and self._preemption_saved):
+            return False
+        self._message(f"{reason}: checkpointing step {p.step}" + (" and stopping" if reason == "stop" else ""))
+        if not checkpointed:
+            self._checkpoint({}, reason)
+        self._preemption_saved = self._preemption_saved or reason == "preempted"
+        return reason == "stop"
+
+    # ------------------------------------------------------------ test
+    def test(self) -> dict[str, float]:
+        """Evaluate the weights of ``checkpoint.weights`` on the test split (or the job's own test)."""
+        cfg, rt = self.cfg, self.runtime
+        self._seed()
+        model = self.job.build_model(cfg)
+        model.load_state_dict(ckpt.load_model_weights(cfg.checkpoint.weights), strict=True)
+        self.model = rt.prepare_model(model, sync_batchnorm=cfg.loop.sync_batchnorm)
+        self.ema = None
+        if isinstance(self.job, CustomTest):
+            if not rt.is_main:
+                return {}
+            custom = self.job.test(rt.unwrap(self.model), cfg, self.run_dir, self.data_root)
+            return {f"test/{k}": float(v) for k, v in custom.items()}
+        self.data = make_worker_data(cfg, self.job, rt, self.data_root, self.datasets, mode="test")
+        return self.evaluate("test")
+
+    def _message(self, text: str) -> None:
+        if self.runtime.is_main:
+            if self.logger is not None:
+                self.logger.message(text)
+            else:
+                print(text, flush=True)
+
+
+def _first(batch: Batch, count: int) -> Batch:
+    return {k: v[:count] for k, v in batch.items()}

@@ -1,0 +1,121 @@
+"""Optimizers, learning-rate schedules and an XLA-friendly EMA of the weights."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from raytpu.compat.training_args import warmup_steps
+from raytpu.config import ConfigError, LoopConfig, OptimConfig
+
+
+def build_optimizer(cfg: OptimConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    params = list(params)
+    if cfg.name == "adafactor":
+        try:
+            from transformers.optimization import Adafactor
+        except ImportError as exc:
+            raise ConfigError("optim.name=adafactor is Transformers' Adafactor: pip install 'raytpu[lm]'") from exc
+
+        # what TrainingArguments(optim="adafactor") builds: the given lr, no relative step or scaling
+        return Adafactor(params, lr=cfg.lr, scale_parameter=False, relative_step=False, weight_decay=cfg.weight_decay)
+    if cfg.name == "adagrad":
+        return torch.optim.Adagrad(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the base lr at a step: linear warm-up, then the schedule's shape."""
+
+    warmup = warmup_steps(cfg.warmup_steps, cfg.warmup_ratio, total_steps)
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if cfg.scheduler == "constant":
+            return 1.0
+        span = max(total_steps - warmup, 1)
+        progress = min(max(step - warmup, 0) / span, 1.0)
+        shape = {
+            "cosine": 0.5 * (1 + math.cos(math.pi * progress)),
+            "linear": 1 - progress,
+            "poly": (1 - progress) ** 0.9,
+        }[cfg.scheduler]
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+    return factor
+
+
+def build_scheduler(
+    cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, total_steps))
+
+
+@dataclass(frozen=True)
+class EMASchedule:
+    """How much of the current weights each training step mixes into the EMA.
+
+    The step counter is ``ema_pytorch``'s (the schedule CDEIT's authors train with): an update
+    is due every ``every`` steps; up to ``update_after`` steps it copies the weights; then, with
+    ``warmup``, the decay ramps as ``1 - (1 + n) ** -power`` (n = steps past ``update_after + 1``)
+    up to ``beta``, so that a short run's EMA follows its weights instead of the initial ones;
+    without it the decay is ``beta`` at once.
+    """
+
+    beta: float
+    every: int = 1
+    update_after: int = 0
+    warmup: bool = False
+    power: float = 2 / 3
+
+    @classmethod
+    def from_loop(cls, loop: LoopConfig) -> EMASchedule:
+        return cls(loop.ema_beta, loop.ema_every, loop.ema_update_after, loop.ema_warmup, loop.ema_power)
+
+    def decay(self, step: int) -> float:
+        """The decay of an update at ``step`` (0-based, counting every training step); 0 = copy."""
+        if step <= self.update_after:
+            return 0.0
+        if not self.warmup:
+            return self.beta
+        past = step - self.update_after - 1
+        return 0.0 if past <= 0 else min(1.0 - (1.0 + past) ** -self.power, self.beta)
+
+    def weight(self, step: int) -> float:
+        """The weight of the current weights in the EMA after ``step``: 0 when no update is due."""
+        return 0.0 if step % self.every else 1.0 - self.decay(step)
+
+
+class EMA:
+    """Exponential moving average of a model's weights.
+
+    ``torch.optim.swa_utils.AveragedModel`` branches on a tensor in its update,
+    a host sync on XLA; this one is a plain ``lerp``. With a tensor ``weight``
+    (0 on steps that skip the update) every step runs the same graph on XLA.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, weight: float | torch.Tensor) -> None:
+        """``ema += weight * (model - ema)`` for every parameter; buffers are copied."""
+        ema_params = list(self.model.parameters())
+        params = [p.detach() for p in model.parameters()]
+        if isinstance(weight, torch.Tensor):
+            for ema_param, param in zip(ema_params, params):
+                ema_param.lerp_(param, weight)
+        else:
+            torch._foreach_lerp_(ema_params, params, weight)
+        for ema_buffer, buffer in zip(self.model.buffers(), model.buffers()):
+            ema_buffer.copy_(buffer)

@@ -1,0 +1,226 @@
+"""Where a worker's reports and checkpoints go: one interface, whatever started the worker.
+
+:class:`RayReporter` sends them through Ray Train (``ray.train.report`` copies each checkpoint
+into the run's storage; this is the one module that calls it, and ``ray.train.get_checkpoint``);
+:class:`FolderReporter` writes them into the run folder itself, laid out as Ray lays them out
+(``<run dir>/checkpoint_<step>``), for local processes (``raytpu train --local``) and in-process
+runs. Both keep checkpoints by one rule, Ray Train's own (:func:`retained`): the
+``checkpoint.num_to_keep`` best by their score, and the latest; of two with the same score the
+newer ranks higher, so it is the best of a tie (:func:`best_of`). Both ask the driver's stop
+request the same way (:meth:`Reporter.interruption`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raytpu.driver.signals import confirm_stop, stop_requested
+from raytpu.worker.checkpoint import CheckpointWriteError, is_complete, save_json
+
+#: beside a checkpoint's ``meta.json`` in a run folder: what it was reported with (its score)
+REPORT = "report.json"
+
+
+# ------------------------------------------------------------------ the one rule
+@dataclass(frozen=True)
+class Entry:
+    """A checkpoint as the retention rule sees it: its name, score and place in the run's reports."""
+
+    name: str
+    score: float
+    report: int
+
+
+def ranked(entries: Sequence[Entry], mode: str) -> list[Entry]:
+    """Worst first, best last: by score (higher is better for ``max``), then the newer."""
+    sign = 1.0 if mode == "max" else -1.0
+    return sorted(entries, key=lambda entry: (sign * entry.score, entry.report))
+
+
+def retained(entries: Sequence[Entry], num_to_keep: int, mode: str) -> list[Entry]:
+    """The checkpoints a run keeps: the ``num_to_keep`` best and the latest, in report order."""
+    if not entries:
+        return []
+    keep = set(ranked(entries, mode)[-num_to_keep:]) | {max(entries, key=lambda entry: entry.report)}
+    return sorted(keep, key=lambda entry: entry.report)
+
+
+def best_of(entries: Sequence[Entry], mode: str) -> Entry | None:
+    return ranked(entries, mode)[-1] if entries else None
+
+
+def entry_of(name: str, metrics: dict[str, Any], order: int) -> Entry:
+    """A reported checkpoint's entry: its ``score`` and ``report`` count (``order`` without one)."""
+    return Entry(name, float(metrics.get("score", 0.0)), int(metrics.get("report", order)))
+
+
+# ------------------------------------------------------------------ the interface
+class Reporter:
+    """Where one worker's reports go; ``stop`` names the driver's stop request (``raytpu.driver.signals``)."""
+
+    def __init__(self, rank: int = 0, world: int = 1, stop: str = "") -> None:
+        self.rank, self.world, self.stop = rank, world, stop
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str) -> None:
+        """Every rank reports the same steps; each passes its own part of the checkpoint (or None)."""
+        raise NotImplementedError
+
+    def latest_checkpoint(self) -> Path | None:
+        raise NotImplementedError
+
+    def resume_candidates(self) -> list[Path]:
+        """The run's checkpoints to resume from, newest first (an older one is the fallback when a
+        newer one turns out damaged)."""
+        latest = self.latest_checkpoint()
+        return [latest] if latest else []
+
+    def interruption(self) -> str | None:
+        """Called by every rank at the same steps: ``"stop"`` (checkpoint and stop: the driver was
+        asked to), ``"preempted"`` (checkpoint now: a node is about to go) or ``None``; the same
+        answer on every rank (rank 0 reads the request, the others get its answer)."""
+        stop = self.rank == 0 and bool(self.stop) and stop_requested(self.stop)
+        if from_rank_zero(stop, self.world):
+            if self.rank == 0:
+                confirm_stop(self.stop)
+            return "stop"
+        return "preempted" if self.preempted() else None
+
+    def preempted(self) -> bool:
+        """Whether a node of the run is about to be taken away (the same answer on every rank)."""
+        return False
+
+
+def from_rank_zero(value: bool, world: int) -> bool:
+    if world > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            shared = [value]
+            dist.broadcast_object_list(shared, src=0)
+            return bool(shared[0])
+    return value
+
+
+def checkpoint_dirs(root: Path) -> list[Path]:
+    """``root``'s ``checkpoint_*`` folders, complete or not, newest (highest step) first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("checkpoint_")), reverse=True)
+
+
+# ------------------------------------------------------------------ Ray Train
+class RayReporter(Reporter):
+    """Reports and checkpoints through ``ray.train.report``; the run's latest checkpoint from Ray;
+    preemption notices from Ray Train (``get_preemption_info``, agreed by its controller)."""
+
+    def __init__(self, run_dir: Path, rank: int = 0, world: int = 1, stop: str = "") -> None:
+        super().__init__(rank, world, stop)
+        self.run_dir = run_dir
+        self._restore: Any = None
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str) -> None:
+        import ray.train
+
+        checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
+        try:
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name or None)
+        except OSError as exc:  # Ray copies the checkpoint into run.storage_path
+            raise CheckpointWriteError(exc.filename or self.run_dir / name, exc) from exc
+
+    def latest_checkpoint(self) -> Path | None:
+        import ray.train
+
+        found = ray.train.get_checkpoint()
+        if found is None:
+            return None
+        self._restore = found.as_directory()
+        return Path(self._restore.__enter__())
+
+    def resume_candidates(self) -> list[Path]:
+        """Ray's latest checkpoint, then the run folder's older ones (when it is a local folder)."""
+        latest = self.latest_checkpoint()
+        older = [p for p in checkpoint_dirs(self.run_dir) if latest is None or p.name != latest.name]
+        return ([latest] if latest else []) + older
+
+    def preempted(self) -> bool:
+        import ray.train
+
+        return ray.train.get_preemption_info() is not None
+
+
+# ------------------------------------------------------------------ a run folder
+class FolderReporter(Reporter):
+    """Checkpoints in the run folder itself, as Ray lays them out, shared by every local process:
+    each rank adds its files to one staging folder, rank 0 publishes it once all are in, then
+    prunes by :func:`retained`. ``reports``: every report this process made (tests read it)."""
+
+    def __init__(
+        self, run_dir: Path, num_to_keep: int = 2, mode: str = "min", rank: int = 0, world: int = 1, stop: str = ""
+    ) -> None:
+        super().__init__(rank, world, stop)
+        self.root, self.num_to_keep, self.mode = Path(run_dir), num_to_keep, mode
+        self.reports: list[dict[str, Any]] = []
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str) -> None:
+        self.reports.append(dict(metrics))
+        if checkpoint_dir is None:
+            return
+        staging = self.root / f".{name}.partial"
+        try:
+            if self.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            self._barrier()
+            shutil.copytree(checkpoint_dir, staging, dirs_exist_ok=True)
+            self._barrier()
+            if self.rank == 0:
+                save_json(staging / REPORT, {**metrics, "report": metrics.get("report", len(self.entries()) + 1)})
+                target = self.root / name
+                shutil.rmtree(target, ignore_errors=True)
+                staging.rename(target)
+                self._prune()
+        except OSError as exc:
+            raise CheckpointWriteError(exc.filename or staging, exc) from exc
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def complete(self) -> list[Path]:
+        """The run folder's complete checkpoints, oldest first."""
+        return sorted(p for p in checkpoint_dirs(self.root) if is_complete(p))
+
+    def entries(self) -> list[Entry]:
+        return [entry_of(path.name, read_report(path), order) for order, path in enumerate(self.complete())]
+
+    def _prune(self) -> None:
+        kept = {entry.name for entry in retained(self.entries(), self.num_to_keep, self.mode)}
+        for path in self.complete():
+            if path.name not in kept:
+                shutil.rmtree(path)
+
+    def latest_checkpoint(self) -> Path | None:
+        found = self.complete()
+        return found[-1] if found else None
+
+    def best_checkpoint(self) -> Path | None:
+        best = best_of(self.entries(), self.mode)
+        return self.root / best.name if best else None
+
+    def resume_candidates(self) -> list[Path]:
+        return checkpoint_dirs(self.root)
+
+
+def read_report(directory: Path) -> dict[str, Any]:
+    """What a run folder's checkpoint was reported with ({} when it has no record)."""
+    try:
+        return json.loads((directory / REPORT).read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,75 @@
+"""What ``pip install`` puts into site-packages, and what raytpu needs of it: the shipped jobs
+install as ``raytpu.jobs`` (no generic top-level ``jobs``), their own dependencies are extras,
+and the library and its command line run with only the core dependencies."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+
+import tomllib
+
+from tests.conftest import ROOT
+
+#: the jobs' own dependencies (``raytpu[mshnet]``, ``[cdeit]``, ``[lm]``): absent in a core install
+JOB_DEPENDENCIES = ["skimage", "pyeit", "transformers", "tokenizers", "PIL", "scipy"]
+
+#: run before the code under test: every job dependency fails to import, as in a core install
+BLOCK = f"""
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {JOB_DEPENDENCIES!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Absent())
+"""
+
+
+def core_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK + code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_package_list_names_every_package_of_raytpu_and_jobs():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(project["packages"])
+    assert project["package-dir"] == {"raytpu.jobs": "jobs"}
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "raytpu").rglob("__init__.py")}
+    found |= {"raytpu." + ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "jobs").rglob("__init__.py")}
+    assert listed == found
+
+
+def test_the_wheel_installs_one_top_level_package_with_the_jobs_and_their_configs(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = tmp_path.glob("raytpu-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {name.split("/")[0] for name in names} == {"raytpu", wheel.name.split("-py3")[0] + ".dist-info"}
+    assert "raytpu/jobs/mshnet/model.py" in names and "raytpu/jobs/mshnet/small.yaml" in names
+    assert "raytpu/jobs/causal_lm/llama3-8b.yaml" in names
+
+
+def test_raytpu_and_its_help_need_only_the_core_dependencies():
+    done = core_python(
+        "import raytpu, raytpu.cli, raytpu.config, raytpu.driver.runs, raytpu.worker.loop\n"
+        "try:\n    raytpu.cli.main(['--help'])\nexcept SystemExit as exit_:\n    print('exit', exit_.code)\n"
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "raytpu" in done.stdout and "exit 0" in done.stdout
+
+
+def test_a_job_whose_extra_is_missing_is_one_line_naming_it():
+    done = core_python("import sys, raytpu.cli; sys.exit(raytpu.cli.main(['train', 'jobs/mshnet/small.yaml']))")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip() == (
+        "raytpu: error: job 'mshnet' needs the package 'skimage', which is not installed: pip install 'raytpu[mshnet]'"
+    )
+    done = core_python("import sys, raytpu.cli; sys.exit(raytpu.cli.main(['train', 'jobs/causal_lm/small.yaml']))")
+    assert done.returncode == 2 and "pip install 'raytpu[lm]'" in done.stderr, done.stderr[-2000:]
