@@ -25,7 +25,19 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def stores():
+    """The S3 and GCS servers on loopback, with the bucket ``tests.stores.BUCKET`` on each."""
+    from tests.stores import start_stores
+
+    started = start_stores()
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_session(stores):
+    """One local Ray instance for the session, started after the storage servers so that its
+    workers read their endpoints and keys from the environment, as a cloud VM's do."""
     import ray
 
     from raytpu.driver.cluster import connect

@@ -121,10 +121,13 @@ CASES = {  # name: (argv after `raytpu`, text the error line must contain)
     ),
     "nothing listens at the address": (["train", SMALL, "--address", "127.0.0.1:1"], "no Ray cluster answers at"),
     "dashboard address for train": (["train", SMALL, "--address", "http://127.0.0.1:8265"], "dashboard address"),
-    "storage URI": (["train", SMALL, "run.storage_path=gs://b/runs"], "runs are written to a folder, not a URI"),
-    "submit to a storage URI": (
-        ["submit", SMALL, "--output_dir", "gs://b/runs", "--address", "http://127.0.0.1:8265"],
-        "run.storage_path='gs://b/runs': runs are written to a folder",
+    "storage URI of another kind": (
+        ["train", SMALL, "run.storage_path=hdfs://nn/runs"],
+        "use a local folder, gs://bucket/prefix or s3://bucket/prefix",
+    ),
+    "credentials in the storage URI": (
+        ["submit", SMALL, "--output_dir", "s3://b/runs?secret_key=x", "--address", "http://127.0.0.1:8265"],
+        "carries secret_key: credentials never go into a path",
     ),
 }
 
@@ -182,6 +185,43 @@ def test_mistakes_in_files_and_paths(world, capsys, name):
     captured = capsys.readouterr()
     assert_one_error_line(code, captured.out, captured.err, expected)
     assert snapshot(world["earlier"]) == before
+
+
+@pytest.fixture(scope="module")
+def guarded(stores):
+    """An S3 server that checks credentials, with a bucket whose reader may not write."""
+    from tests.stores import GuardedS3
+
+    server = GuardedS3()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("case", ["no such bucket", "no credentials", "a refused write", "no answer", "no gcs bucket"])
+def test_bad_storage_is_one_line_before_anything_starts(world, guarded, capsys, monkeypatch, case):
+    """Each a real server's answer (or silence), probed from a subprocess with a time limit: one line
+    naming the URI and the fix, exit 2, within 30 s, before Ray starts or a file is written."""
+    storage, expected = {
+        "no such bucket": ("s3://no-such-bucket/runs", "the bucket 'no-such-bucket' does not exist: create it"),
+        "no credentials": ("s3://guarded/runs", "no valid credentials: for gs:// the VM's service account"),
+        "a refused write": ("s3://guarded/runs", "the credentials may not write there: grant this node's account"),
+        "no answer": ("s3://guarded/runs", "the store does not answer: check AWS_ENDPOINT_URL"),
+        "no gcs bucket": ("gs://no-such-bucket/runs", "the bucket 'no-such-bucket' does not exist"),
+    }[case]
+    if case in ("no credentials", "a refused write", "no answer"):  # else the session's servers
+        monkeypatch.setenv("AWS_ENDPOINT_URL", guarded.endpoint if case != "no answer" else "http://127.0.0.1:1")
+    if case == "no credentials":
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    if case == "a refused write":
+        for name, value in guarded.reader.items():
+            monkeypatch.setenv(name, value)
+    before = snapshot(world["earlier"])
+    start = time.monotonic()
+    code = cli.main(["train", SMALL, *common(world), f"run.storage_path={storage}"])
+    captured = capsys.readouterr()
+    assert_one_error_line(code, captured.out, captured.err, f"run.storage_path={storage}: {expected}")
+    assert time.monotonic() - start < 30 and snapshot(world["earlier"]) == before
 
 
 @pytest.mark.integration

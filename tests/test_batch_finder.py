@@ -15,6 +15,7 @@ from raytpu import cli
 from raytpu.config import load_config
 from raytpu.config.batching import BatchPlan
 from raytpu.runtime import make_runtime
+from raytpu.storage.run_folder import RunFolder
 from raytpu.worker import batch_finder as bf
 from raytpu.worker import checkpoint as ckpt
 from raytpu.worker.loop import Trainer
@@ -105,15 +106,15 @@ def test_the_flag_and_the_yaml_section_turn_it_on(tmp_path):
 
 # ------------------------------------------------------------------ record
 def test_the_record_is_read_back_only_for_the_same_batch_and_replicas(tmp_path):
-    configured = BatchPlan(32, 2, 1)
-    assert bf.read_record(tmp_path, configured, 1) is None
-    bf.record(tmp_path, BatchPlan(32, 2, 4), devices=1, failed_at=8)
-    assert bf.read_record(tmp_path, configured, 1) == (BatchPlan(32, 2, 4), 8)
-    assert bf.read_record(tmp_path, BatchPlan(64, 2, 1), 1) is None  # another global batch: search afresh
-    assert bf.read_record(tmp_path, BatchPlan(32, 4, 1), 1) is None  # other replicas
-    assert bf.read_record(tmp_path, configured, 2) is None  # other replicas: 2 workers x 2 devices
-    assert bf.read_record(tmp_path, BatchPlan(32, 2, 8), 1) is None  # not smaller than configured
-    assert bf.recorded_text(tmp_path, 32) == "4 per device x 4 accumulation steps (global batch 32)"
+    folder, configured = RunFolder(tmp_path), BatchPlan(32, 2, 1)
+    assert bf.read_record(folder, configured, 1) is None
+    bf.record(folder, BatchPlan(32, 2, 4), devices=1, failed_at=8)
+    assert bf.read_record(folder, configured, 1) == (BatchPlan(32, 2, 4), 8)
+    assert bf.read_record(folder, BatchPlan(64, 2, 1), 1) is None  # another global batch: search afresh
+    assert bf.read_record(folder, BatchPlan(32, 4, 1), 1) is None  # other replicas
+    assert bf.read_record(folder, configured, 2) is None  # other replicas: 2 workers x 2 devices
+    assert bf.read_record(folder, BatchPlan(32, 2, 8), 1) is None  # not smaller than configured
+    assert bf.recorded_text(folder, 32) == "4 per device x 4 accumulation steps (global batch 32)"
 
 
 # ------------------------------------------------------------------ one worker, in-process
@@ -131,7 +132,7 @@ def fit(run_dir: Path, *overrides: str):
         trained.append(cfg)
         return Trainer(cfg, job, runtime, run_dir, run_dir, reporter).fit()
 
-    bf.fit_finding_batch(cfg, runtime, run_dir, attempt)
+    bf.fit_finding_batch(cfg, runtime, RunFolder(run_dir), attempt)
     assert cfg.loop.grad_accum == 1  # the run's own config never changes
     return trained[-1], reporter
 

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from raytpu import cli
 from raytpu.config import load_config, with_values
 from raytpu.driver import runs
 from raytpu.storage import tables as ingest
 from raytpu.worker import checkpoint as ckpt
+from tests.stores import BUCKET
 
 pytestmark = pytest.mark.integration
 
@@ -82,10 +84,12 @@ def test_mshnet_trains_on_two_workers_and_tests(ray_session, tmp_path, capsys):
 
 
 def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(ray_session, tmp_path):
+    """Ray Data from a bucket: the tables prepared into S3, and read from it by the workers."""
+    tables = f"s3://{BUCKET}/tables-{tmp_path.name}"
     cfg, job = load_config(
         "jobs/cdeit/small.yaml",
         [
-            f"data.path={(tmp_path / 'pq').as_uri()}",  # read through pyarrow's filesystem layer
+            f"data.path={tables}",  # prepared into, and read from, the S3 server
             "data.loader=ray",
             "data.materialize_mb=0",  # the streaming read (the other tests' sets are small: materialized)
             f"run.storage_path={tmp_path / 'results'}",
@@ -100,7 +104,7 @@ def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(r
         ],
     )
     job.synthesize(tmp_path / "cdeit", **job.synth_options(cfg))  # not ./data/cdeit of the checkout
-    ingest.prepare(job, tmp_path / "cdeit", (tmp_path / "pq").as_uri())
+    assert cli.main(["data", "prepare", "cdeit", "--src", str(tmp_path / "cdeit"), "--out", tables]) == 0
     summary = runs.train(cfg, job)
     assert Path(summary.best_checkpoint, "ema.safetensors").is_file()
     latest = ckpt.read_meta(Path(summary.latest_checkpoint))

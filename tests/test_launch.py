@@ -47,7 +47,7 @@ def final_weights(results: Path) -> dict[str, torch.Tensor]:
         (["launch", "--num_processes", "two", EXAMPLE], "argument --num_processes/--num-processes: invalid int"),
         (["launch"], "the following arguments are required: script"),
         (["launch", "--config", "nope.yaml", EXAMPLE], "--config 'nope.yaml' not found"),
-        (["launch", "--storage-path", "gs://b/runs", EXAMPLE], "runs are written to a folder, not a URI"),
+        (["launch", "--storage-path", "hdfs://nn/runs", EXAMPLE], "use a local folder, gs://bucket/prefix or s3://"),
     ],
 )
 def test_bad_launches_are_one_line(argv, message, capsys):
@@ -220,15 +220,22 @@ def snapshot_names(run_dir: Path) -> list[str]:
 
 
 @pytest.mark.integration
-def test_a_killed_process_restarts_from_the_last_saved_state(ray_session, tmp_path):
-    run_dir = tmp_path / "runs" / "killed"
+def test_a_killed_process_restarts_from_the_last_saved_state_in_a_bucket(ray_session, tmp_path):
+    """The run folder in S3: the save_state checkpoints and both processes' logs are stored there,
+    and a process killed mid-run restarts from the last saved state, read back from the bucket."""
+    from raytpu.storage.run_folder import RunFolder
+    from tests.stores import BUCKET
+
+    storage = f"s3://{BUCKET}/launch-{tmp_path.name}"
+    run_dir = RunFolder(f"{storage}/killed")
 
     def kill_a_worker() -> None:
         deadline = time.monotonic() + 120
         # two reported states: the first one's report (a barrier of all workers) is complete
-        while len(list(run_dir.glob("state_*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        line = next(line for line in log_of(tmp_path, "killed", 1).splitlines() if line.startswith("process 1 of 2"))
+        while len([n for n in run_dir.children() if n.startswith("state_")]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        staged = (run_dir.local("logs") / "rank_1.log").read_text()  # the process's log as it is written
+        line = next(line for line in staged.splitlines() if line.startswith("process 1 of 2"))
         os.kill(int(line.split("(pid ")[1].rstrip(")")), signal.SIGKILL)
 
     killer = threading.Thread(target=kill_a_worker, daemon=True)
@@ -236,12 +243,15 @@ def test_a_killed_process_restarts_from_the_last_saved_state(ray_session, tmp_pa
     # 512 samples / 32 a step = 16 steps an epoch, 32 in all, a state every 4: the kill comes at
     # step 8 or soon after, with at least 6 s (24 steps of 0.25 s) of the run still to go
     argv = ["--num_processes", "2", "--max-failures", "1", EXAMPLE, "--epochs", "2", "--step-sleep", "0.25"]
-    argv += ["--samples", "512", "--ckpt-every", "4"]
-    code = launch(tmp_path, "killed", *argv, "--results-dir", str(tmp_path / "out"))
+    argv += ["--samples", "512", "--ckpt-every", "4", "--results-dir", str(tmp_path / "out")]
+    code = cli.main(["launch", "--storage-path", storage, "--name", "killed", *argv])
     killer.join()
-    assert code == 0, log_of(tmp_path, "killed")[-3000:]
-    log = log_of(tmp_path, "killed")
+    log = run_dir.read_text("logs/rank_0.log") or ""
+    assert code == 0, log[-3000:]
     assert "resumed at step" in log and '"steps": 32' in log, log[-2000:]
+    assert "process 1 of 2" in (run_dir.read_text("logs/rank_1.log") or "")
+    states = [n for n in run_dir.children() if n.startswith("state_")]
+    assert states and run_dir.exists(f"{states[-1]}/model.safetensors"), run_dir.children()
 
 
 @pytest.mark.integration

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import secrets
 import shutil
@@ -33,6 +34,8 @@ from raytpu.driver.submit import (
     split_args,
     submission_id,
 )
+from raytpu.storage.run_folder import RunFolder, local_copy
+from tests.stores import BUCKET, S3_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -181,7 +184,7 @@ def ours(marker: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def ray_head():
+def ray_head(stores):
     """`ray start --head --block` on loopback with free ports, its own temp dir and a token; stopped by
     signalling its process group (never `ray stop`, which would stop every Ray on this machine)."""
     temp_dir = tempfile.mkdtemp(prefix="rtsub-", dir="/tmp")  # short: Ray's socket paths have a length limit
@@ -213,12 +216,19 @@ def ray_head():
         head = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
+    address = f"http://127.0.0.1:{dashboard}"
+    # Ray's job clients (this module's, and `ray job submit`'s) take RAY_ADDRESS (the session's own
+    # local instance, once one runs) over the address they are given: this one they take first
+    previous = os.environ.get("RAY_API_SERVER_ADDRESS")
+    os.environ["RAY_API_SERVER_ADDRESS"] = address
     try:
-        address = f"http://127.0.0.1:{dashboard}"
         wait_for_dashboard(address, token, head, log)
         yield {"address": address, "token": token}
     finally:
         stop_head(head, temp_dir)
+        os.environ.pop("RAY_API_SERVER_ADDRESS")
+        if previous is not None:
+            os.environ["RAY_API_SERVER_ADDRESS"] = previous
 
 
 def wait_for_dashboard(address: str, token: str, head: subprocess.Popen, log: Path, timeout: float = 120) -> None:
@@ -298,10 +308,14 @@ def test_submit_mshnet_small_to_a_real_head(ray_head: dict, tmp_path: Path) -> N
     assert unauthenticated.returncode == 2, unauthenticated.stderr[-3000:]
     assert "token authentication is on" in unauthenticated.stderr.strip().splitlines()[-1]
 
+    # into a bucket, from a shell that holds the S3 keys: the head reads its own (the same, here,
+    # as each cloud VM reads its service account's); none of them travels with the job
+    bucket = f"s3://{BUCKET}/submit-{tmp_path.name}"
     done = raytpu(
         "submit",
         "jobs/mshnet/small.yaml",
         *tiny(tmp_path, data, "via-raytpu"),
+        f"run.storage_path={bucket}",
         "--address",
         ray_head["address"],
         env=auth,
@@ -310,10 +324,22 @@ def test_submit_mshnet_small_to_a_real_head(ray_head: dict, tmp_path: Path) -> N
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "submitted job:  raytpu-via-raytpu-" in done.stdout
     assert f"ray job logs --address {ray_head['address']} --follow raytpu-via-raytpu-" in done.stdout
-    assert "best checkpoint:" in done.stdout and "succeeded" in done.stdout.splitlines()[-1]
-    assert checkpoints(tmp_path / "via-raytpu")
-
+    assert f"best checkpoint:   {bucket}/via-raytpu/checkpoint_" in done.stdout, done.stdout[-3000:]
+    assert "succeeded" in done.stdout.splitlines()[-1]
+    run = RunFolder(f"{bucket}/via-raytpu")
+    assert any(name.startswith("checkpoint_0") for name in run.children()) and run.children("tensorboard")
     client = JobSubmissionClient(ray_head["address"], headers={"Authorization": f"Bearer {ray_head['token']}"})
+    job_id = done.stdout.split("submitted job:")[1].split()[0]
+    seen = {
+        "runtime_env": json.dumps(client.get_job_info(job_id).runtime_env),
+        "job logs": client.get_job_logs(job_id) + done.stdout + done.stderr,
+        "config.yaml": run.read_text("config.yaml") or "",
+    }
+    with local_copy(run.uri("tensorboard")) as events:
+        seen["tensorboard"] = "".join(p.read_bytes().decode("latin-1") for p in events.iterdir())
+    for secret in S3_KEYS.values():
+        assert not [where for where, text in seen.items() if secret in text], secret
+
     deadline = time.monotonic() + 300
     while (status := client.get_job_status("plain-ray-job")) not in (JobStatus.SUCCEEDED, JobStatus.FAILED):
         assert time.monotonic() < deadline, client.get_job_logs("plain-ray-job")[-3000:]

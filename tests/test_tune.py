@@ -223,11 +223,16 @@ def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_sessi
 
 
 def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session, tmp_path, mshnet_data):
-    """Ctrl-C after the first trial finished, then the same command: the finished trial
-    keeps its files untouched, the other one runs, and results.csv has both."""
+    """A sweep whose folder is an S3 bucket: Ctrl-C after the first trial finished, then the same
+    command: the finished trial keeps its files untouched, the other one runs, and results.csv has
+    both, all in the bucket."""
+    from raytpu.storage.run_folder import RunFolder
+    from tests.stores import BUCKET
+
+    storage = f"s3://{BUCKET}/tune-{tmp_path.name}"
     address = ray_session.get_runtime_context().gcs_address
     command = [sys.executable, "-m", "raytpu.cli", "tune", SMALL, *TINY, "loop.epochs=2"]
-    command += [f"data.path={mshnet_data}", f"run.storage_path={tmp_path}", "--address", address]
+    command += [f"data.path={mshnet_data}", f"run.storage_path={storage}", "--address", address]
     command += [
         "--search",
         "optim.lr=grid(0.05, 1e-12)",
@@ -250,17 +255,28 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session
             break
         assert time.monotonic() < deadline, "".join(seen[-30:])
     first.communicate(timeout=120)
-    finished = next(p for p in (tmp_path / "resume" / "runs").iterdir() if p.name.endswith("_00000"))
-    before = {p: p.stat().st_mtime_ns for p in finished.rglob("*") if p.is_file()}
+    runs = RunFolder(f"{storage}/resume/runs")
+    finished = RunFolder(runs.uri(next(name for name in runs.children() if name.endswith("_00000"))))
+    before = objects(finished)
 
     second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resuming sweep" in second.stdout
-    rows = read_rows(tmp_path / "resume" / "results.csv")
+    results = tmp_path / "results.csv"
+    results.write_text(RunFolder(f"{storage}/resume").read_text("results.csv"))
+    rows = read_rows(results)
     assert sorted((r["optim.lr"], r["status"], r["reports"]) for r in rows) == [
         ("0.05", "done", "2"),
         ("1e-12", "done", "2"),
     ]
-    after = {p: p.stat().st_mtime_ns for p in finished.rglob("*") if p.is_file()}
-    changed = [p for p in after if before.get(p) != after[p] and "tfevents" not in p.name]
+    after = objects(finished)
+    changed = [p for p in after if before.get(p) != after[p] and "tfevents" not in p]
     assert not changed, changed
+
+
+def objects(folder) -> dict[str, tuple]:
+    """Every object under a bucket folder: its size and time of writing."""
+    import pyarrow.fs as pafs
+
+    infos = folder.fs.get_file_info(pafs.FileSelector(folder.base, recursive=True))
+    return {info.path: (info.size, info.mtime) for info in infos if info.type == pafs.FileType.File}

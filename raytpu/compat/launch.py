@@ -25,6 +25,8 @@ from raytpu.config.plan import Plan, ScriptPlan, storage_of
 from raytpu.config.validation import check_number
 from raytpu.errors import ConfigError, RunFailed
 from raytpu.runtime.base import resolve_precision
+from raytpu.storage.filesystems import join
+from raytpu.storage.run_folder import RunFolder
 
 #: ``--mixed_precision`` (Accelerate's names) -> raytpu's precision policy, and back
 PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "auto": "auto"}
@@ -177,7 +179,7 @@ def plan_launch(settings: LaunchSettings, address: str | None) -> Plan:
         mixed_precision=ACCELERATE_NAMES[precision],
         gradient_accumulation_steps=settings.gradient_accumulation_steps,
         state=f"raytpu-launch-{uuid.uuid4().hex[:12]}",
-        last_checkpoint=last_state_number(checkpoint_names(Path(storage) / cfg.run.name)),
+        last_checkpoint=last_state_number(checkpoint_names(RunFolder(join(storage, cfg.run.name)))),
     )
     return Plan(config=cfg, mode="launch", storage=storage, name=cfg.run.name, script=script)
 
@@ -198,7 +200,7 @@ def run(plan: Plan) -> int:
         if ray.get(state.failure.remote()) is None:  # a lost process, retried up to --max-failures
             raise RunFailed(*root_cause(exc)) from exc
     failure = ray.get(state.failure.remote())
-    print(f"raytpu: logs of every process: {plan.run_dir}/logs", flush=True)
+    print(f"raytpu: logs of every process: {join(plan.run_dir, 'logs')}", flush=True)
     if failure is None:
         return 0
     rank, code, details = failure
@@ -209,15 +211,13 @@ def run(plan: Plan) -> int:
     return code
 
 
-def checkpoint_names(run_dir: Path) -> list[str]:
+def checkpoint_names(run_dir: RunFolder) -> list[str]:
     """The checkpoint folders a run already has: in its folder, and in the list Ray Train keeps
     of them (``checkpoint_manager_snapshot.json``), which may name one a crash left unwritten."""
-    names = [path.name for path in run_dir.iterdir()] if run_dir.is_dir() else []
-    snapshot = run_dir / "checkpoint_manager_snapshot.json"
-    if snapshot.is_file():
-        try:
-            results = json.loads(snapshot.read_text()).get("checkpoint_results", [])
-            names += [str(result.get("checkpoint_dir_name", "")) for result in results]
-        except (OSError, ValueError, AttributeError):
-            pass  # an unreadable snapshot: Ray Train itself reports it when the run starts
+    names = run_dir.children()
+    try:
+        snapshot = json.loads(run_dir.read_text("checkpoint_manager_snapshot.json") or "{}")
+        names += [str(result.get("checkpoint_dir_name", "")) for result in snapshot.get("checkpoint_results", [])]
+    except (OSError, ValueError, AttributeError):
+        pass  # an unreadable snapshot: Ray Train itself reports it when the run starts
     return names

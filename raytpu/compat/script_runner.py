@@ -36,12 +36,15 @@ from pathlib import Path
 from typing import Any
 
 from raytpu.config.plan import Plan, ScriptPlan
+from raytpu.storage.run_folder import RunFolder
 from raytpu.worker.reporting import Reporter
 
 #: environment variable naming the run's launch-state actor inside a launched script
 STATE_ENV = "RAYTPU_LAUNCH_STATE"
 #: environment variable holding the checkpoint a restarted script resumes from
 RESUME_ENV = "RAYTPU_RESUME_FROM"
+#: seconds between copies of the processes' logs to a bucket run folder (and at the end)
+LOG_SYNC_S = 10.0
 
 
 def report(metrics: dict[str, Any]) -> None:
@@ -137,9 +140,10 @@ def run_script_worker(plan: Plan, seat: Any, reporter: Reporter) -> None:
     state = ray.get_actor(script.state)
     if ray.get(state.failure.remote()) is not None:
         return  # the script failed in an earlier attempt: a script's own error is never retried
-    logs = Path(plan.run_dir) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    restore_output = capture_output(logs / f"rank_{rank}.log", to_console=rank == 0)
+    folder = RunFolder(plan.run_dir)
+    log = f"logs/rank_{rank}.log"
+    folder.local("logs")
+    restore_output = capture_output(folder.local() / log, to_console=rank == 0)
     runtime = plan.config.scaling.runtime
     if runtime == "xla":
         os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
@@ -151,10 +155,11 @@ def run_script_worker(plan: Plan, seat: Any, reporter: Reporter) -> None:
     ray.get(state.register.remote(rank, ray.get_runtime_context().current_actor))
     # entries of an earlier attempt were reported then, or lost with it: report only new ones
     first = ray.get(state.size.remote())
-    publisher = threading.Thread(target=report_published, args=(state, reporter, first), daemon=True)
+    publisher = threading.Thread(target=report_published, args=(state, reporter, first, folder, log), daemon=True)
     publisher.start()
     code, details = run_script(script)
     restore_output()
+    folder.sync(log)
     if code and peer_lost(state, rank):
         raise RuntimeError(f"rank {rank}: a peer process was lost (this rank's error follows from it):\n{details}")
     if code:
@@ -256,12 +261,13 @@ def patch_accelerate(runtime: str, state_name: str, rank: int) -> None:
     Accelerator.log = patched_log
 
 
-def report_published(state: Any, reporter: Reporter, first: int) -> None:
+def report_published(state: Any, reporter: Reporter, first: int, folder: RunFolder, log: str) -> None:
     """Report every published entry through the worker's reporter, in order, on every worker (rank
-    0 with the checkpoint directory), until every rank finished and nothing is left."""
+    0 with the checkpoint directory, which stays the script's), until every rank finished and
+    nothing is left; meanwhile copy this process's log to a bucket run folder every few seconds."""
     import ray
 
-    done, metrics = first, {}
+    done, metrics, synced = first, {}, time.monotonic()
     while True:
         entries, final = ray.get(state.poll.remote(done, reporter.world))
         for kind, value in entries:
@@ -271,9 +277,13 @@ def report_published(state: Any, reporter: Reporter, first: int) -> None:
                 reporter.report({**metrics, "published": done}, None, "")
                 continue
             directory, name = value
-            reporter.report({**metrics, "published": done}, Path(directory) if reporter.rank == 0 else None, name)
+            mine = Path(directory) if reporter.rank == 0 else None
+            reporter.report({**metrics, "published": done}, mine, name, owned=False)
         if final:
             return
+        if time.monotonic() - synced > LOG_SYNC_S:
+            folder.sync(log)
+            synced = time.monotonic()
         time.sleep(0.2)
 
 

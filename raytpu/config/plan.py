@@ -20,6 +20,7 @@ from raytpu.config.batching import BatchPlan
 from raytpu.config.loading import from_dict, to_dict, with_values
 from raytpu.config.schema import Config
 from raytpu.errors import ConfigError
+from raytpu.storage.filesystems import is_remote
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def resolve_config(cfg: Config, runtime: str, precision: str) -> Config:
         # XLA's common-subexpression elimination merges a plain checkpoint's recomputation back into
         # the forward, saving no memory: torch_xla's own puts an optimization barrier in its way
         values.update({"job.gradient_checkpointing": False, "xla.grad_ckpt": True})
-    if cfg.checkpoint.weights and "://" not in cfg.checkpoint.weights and Path(cfg.checkpoint.weights).exists():
+    if cfg.checkpoint.weights and not is_remote(cfg.checkpoint.weights) and Path(cfg.checkpoint.weights).exists():
         values["checkpoint.weights"] = str(Path(cfg.checkpoint.weights).resolve())
     if cfg.xla.compile_cache not in ("", "none"):
         values["xla.compile_cache"] = str(Path(cfg.xla.compile_cache).resolve())
@@ -135,7 +136,8 @@ def data_parallel_replicas(cfg: Config) -> int:
 
 
 def storage_of(cfg: Config) -> str:
-    """``run.storage_path``, absolute."""
-    return str(Path(cfg.run.storage_path).resolve())
+    """``run.storage_path``: a bucket URI as it is, a local folder made absolute."""
+    storage = cfg.run.storage_path
+    return storage.rstrip("/") if is_remote(storage) else str(Path(storage).resolve())
 
 

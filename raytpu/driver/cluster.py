@@ -18,11 +18,16 @@ from typing import Any
 from urllib.parse import urlparse
 
 from raytpu.errors import ConfigError
+from raytpu.storage.filesystems import endpoint_variables
 
 NO_CLUSTER = "no cluster: raytpu starts a local one"
 DEFAULT_TIMEOUT_S = 30.0
 PROBE_MARK = "RAYTPU_CLUSTER "
 PROBE_ERROR_MARK = "RAYTPU_CLUSTER_ERROR "
+#: the variable that sets the port of a new local instance's GCS (read by Ray when it starts one)
+GCS_PORT = "RAY_GCS_SERVER_PORT"
+#: the addresses of the local instances this process started
+STARTED_HERE: list[str] = []
 
 
 def one_line(exc: BaseException) -> str:
@@ -162,6 +167,7 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
     address = address or os.environ.get("RAY_ADDRESS") or None
     check_reachable(address)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
+    env.update(endpoint_variables())  # where the stores are; never credentials: each node has its own
     env["RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS"] = "0"
     # print() in a worker stays print(): Ray Train would route it through a logger that writes it
     # to both stdout and stderr (each line twice on the console)
@@ -169,18 +175,44 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
     kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": not quiet}
     level = "INFO" if verbose else "WARNING"  # Ray's INFO lines (reports, checkpoints): --verbose only
     kwargs.update(logging_level=getattr(logging, level), logging_config=ray.LoggingConfig(log_level=level))
-    if address in (None, "local"):
+    local = address in (None, "local")
+    if local:
         if address is None:
             print("raytpu: no Ray cluster given (--address / RAY_ADDRESS); starting a local Ray instance", flush=True)
         # the nodes of a local instance are never drained: Ray Train's preemption watcher (an actor
         # per run, whose start prints a C++ notice) has nothing to watch there
         env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+        # Ray's own lookups in the workers and actors of this run (Ray Train's placement-group
+        # cleaner) must find this instance, even when another one runs on the machine
+        port = free_port()
+        os.environ[GCS_PORT] = str(port)
+        env["RAY_ADDRESS"] = f"{ray.util.get_node_ip_address()}:{port}"
     if not verbose:
         quiet_ray()
     try:
-        ray.init(address=address, **kwargs)
+        # no address: a new local instance, never another one found on this machine (a user's `ray start`)
+        ray.init(address=address or "local", **kwargs)
     except ConnectionError as exc:
         raise ConfigError(f"cannot join a Ray cluster at {address!r}: {' '.join(str(exc).split())[:200]}") from exc
+    finally:
+        if local:
+            os.environ.pop(GCS_PORT, None)
+    # and so do the driver's later lookups (Tune, Ray Train's threads in this process)
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    if local:
+        STARTED_HERE.append(os.environ["RAY_ADDRESS"])
+
+
+def joined() -> str:
+    """The cluster this process joined, in words: the local instance it started, or the one at an address."""
+    address = os.environ.get("RAY_ADDRESS", "")
+    return "the local Ray instance" if address in STARTED_HERE else f"the Ray cluster at {address}"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def quiet_ray() -> None:

@@ -9,42 +9,74 @@ announced as a wait, with what it waits for.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
+
 from raytpu.config import Config, ConfigError
 from raytpu.job import Job
+from raytpu.storage.filesystems import check_location, diagnose, filesystem, is_remote
 from raytpu.worker import checkpoint as ckpt
 
 Bundle = dict[str, float]
 #: resources a worker or a driver asks for that preflight compares with the nodes'
 CHECKED = ("CPU", "GPU", "TPU")
+#: seconds the bucket probe may take (connecting, credentials, a write, a read and a delete)
+BUCKET_TIMEOUT_S = 30.0
 
 
 # ---------------------------------------------------------------------- files
 def check_storage(cfg: Config) -> None:
-    storage = cfg.run.storage_path
-    check_storage_is_a_folder(storage)
-    if Path(storage).exists() and not Path(storage).is_dir():
-        raise ConfigError(f"run.storage_path {storage!r} is a file; runs are written to a folder: pass another path")
+    """``run.storage_path``: a folder that can be made and written, or a bucket that takes a small
+    write (checked from a subprocess with a time limit: a store that does not answer, or a client
+    that waits for credentials, is an error within seconds, never a wait)."""
+    check_storage_location(cfg.run.storage_path, "run.storage_path")
 
 
-def check_storage_is_a_folder(storage: str) -> None:
-    """Runs are folders of plain files (config, TensorBoard events, checkpoints, records) that the
-    driver and the workers write with local file calls: a URI would become a local folder named
-    ``gs:``. A bucket works mounted as a folder (Cloud Storage FUSE), like any shared disk."""
-    if "://" in storage:
-        raise ConfigError(
-            f"run.storage_path={storage!r}: runs are written to a folder, not a URI; pass a folder path "
-            "(on a cluster one every node mounts: NFS, or the bucket through Cloud Storage FUSE, e.g. /mnt/gcs/runs)"
+def check_storage_location(storage: str, what: str) -> None:
+    check_location(storage, what)
+    if is_remote(storage):
+        check_bucket(storage, what)
+    elif Path(storage).exists() and not Path(storage).is_dir():
+        raise ConfigError(f"{what} {storage!r} is a file; runs are written to a folder: pass another path")
+
+
+def check_bucket(location: str, what: str, timeout_s: float = BUCKET_TIMEOUT_S) -> None:
+    code = "import sys; from raytpu.storage.filesystems import probe; probe(sys.argv[1])"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, location], capture_output=True, text=True, timeout=timeout_s
         )
+    except subprocess.TimeoutExpired:
+        raise ConfigError(
+            f"{what}={location}: no answer within {timeout_s:g} s (a store that does not answer, or no credentials "
+            "found: set STORAGE_EMULATOR_HOST / AWS_ENDPOINT_URL for an emulator, or give the node credentials)"
+        ) from None
+    if done.returncode:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        raise ConfigError(f"{what}={location}: {diagnose(location, lines[-1] if lines else 'the probe failed')}")
 
 
 def check_weights(cfg: Config) -> None:
-    if cfg.checkpoint.weights:
-        ckpt.check_weights(cfg.checkpoint.weights)
+    """``checkpoint.weights`` / ``--checkpoint``: loadable weights (copied here first from a bucket)."""
+    weights = cfg.checkpoint.weights
+    if not weights:
+        return
+    if is_remote(weights):
+        check_location(weights, "--checkpoint")
+        fs, path = filesystem(weights)
+        try:
+            found = fs.get_file_info(path).type != pafs.FileType.NotFound
+        except OSError as exc:
+            raise ConfigError(f"checkpoint {weights}: {diagnose(weights, str(exc))}") from exc
+        if not found:
+            raise ConfigError(f"checkpoint {weights!r} not found; {ckpt.EXPECTED}")
+    ckpt.check_weights(weights)
 
 
 def check_data(cfg: Config, job: Job, data_root: Path, mode: str) -> dict[str, int]:
@@ -79,7 +111,12 @@ def prepared_sizes(cfg: Config, job: Job, mode: str) -> dict[str, int]:
 
 
 def check_local(cfg: Config) -> None:
-    """``raytpu train --local`` runs what needs no Ray."""
+    """``raytpu train --local`` runs what needs no Ray, in a run folder on this machine."""
+    if is_remote(cfg.run.storage_path):
+        raise ConfigError(
+            f"--local writes its run folder on this machine: run.storage_path={cfg.run.storage_path} needs Ray "
+            "(drop --local), or give a local folder"
+        )
     if cfg.data.loader == "ray":
         raise ConfigError("--local runs without Ray: data.loader=ray needs it; use data.loader=torch or drop --local")
     if cfg.scaling.runtime == "xla" and cfg.scaling.num_workers > 1:

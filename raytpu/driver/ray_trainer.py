@@ -15,6 +15,7 @@ from raytpu.config import Config
 from raytpu.config.plan import Plan
 from raytpu.errors import RunFailed
 from raytpu.runtime.tpu import check_num_workers, slice_spec, workers_for_layout
+from raytpu.storage.filesystems import filesystem, is_remote
 from raytpu.worker.batch_finder import ray_max_failures
 
 
@@ -63,7 +64,7 @@ def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
     failures = ray_max_failures(cfg) if plan.mode == "train" else cfg.checkpoint.max_failures
     run_config = RunConfig(
         name=plan.name,
-        storage_path=plan.storage,
+        **ray_storage(plan.storage),
         checkpoint_config=checkpoints,
         failure_config=FailureConfig(max_failures=failures),
         # Ray Train's own per-report, per-checkpoint and scheduling lines: shown with --verbose
@@ -78,6 +79,16 @@ def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
         run_config=run_config,
         **datasets,
     )
+
+
+def ray_storage(storage: str) -> dict[str, Any]:
+    """``RunConfig``'s storage: a local folder as it is; a bucket as raytpu's filesystem of it (its
+    credentials and endpoints read as the clouds' tools read them: ``raytpu.storage.filesystems``)
+    and the path in it."""
+    if not is_remote(storage):
+        return {"storage_path": storage}
+    fs, path = filesystem(storage)
+    return {"storage_path": path, "storage_filesystem": fs}
 
 
 def ray_datasets(plan: Plan) -> dict[str, Any]:

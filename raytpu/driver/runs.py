@@ -26,11 +26,13 @@ from raytpu.config import Config, ConfigError, dump_yaml, with_values
 from raytpu.config.batching import BatchPlan
 from raytpu.config.plan import Plan, resolve_config, storage_of
 from raytpu.driver import preflight
-from raytpu.driver.cluster import check_reachable, connect
+from raytpu.driver.cluster import check_reachable, connect, joined
 from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunStopped
 from raytpu.job import Job, Synthesizes
 from raytpu.runtime.base import pick_runtime, resolve_precision
+from raytpu.storage.filesystems import join
+from raytpu.storage.run_folder import RunFolder
 from raytpu.worker.batch_finder import recorded_text
 from raytpu.worker.reporting import FolderReporter, best_of, entry_of, read_report
 
@@ -51,11 +53,11 @@ class RunSummary:
 
     @property
     def tensorboard(self) -> str:
-        return f"{self.run_dir}/tensorboard"
+        return join(self.run_dir, "tensorboard")
 
     def lines(self, found_batch: str | None = None) -> list[str]:
         """``found_batch``: the batch ``loop.auto_find_batch_size`` stepped down to, if it did."""
-        lines = [f"run directory:     {self.run_dir}", f"config:            {self.run_dir}/config.yaml"]
+        lines = [f"run directory:     {self.run_dir}", f"config:            {join(self.run_dir, 'config.yaml')}"]
         if found_batch:
             lines.append(f"batch size:        {found_batch}, found by auto_find_batch_size")
         return lines + [
@@ -128,12 +130,12 @@ def plan_run(cfg: Config, job: Job, mode: str, address: str | None = None, local
         raise ConfigError(
             "test mode needs weights: pass --checkpoint PATH (or --weight-path / checkpoint.weights=PATH)"
         )
-    preflight.check_storage(cfg)
-    preflight.check_weights(cfg)
     if local:
         preflight.check_local(cfg)
     else:
         check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
+    preflight.check_storage(cfg)
+    preflight.check_weights(cfg)
     data_root = resolve_data_root(cfg, job, synthesize=None if mode == "train" else False)
     sizes = preflight.check_data(cfg, job, data_root, mode)
     if local:
@@ -164,15 +166,8 @@ def plan_run(cfg: Config, job: Job, mode: str, address: str | None = None, local
         main_metric_mode=job.main_metric_mode,
         split_sizes=tuple(sizes.items()),
     )
-    print(where_it_runs(plan, where(address, local)), flush=True)
+    print(where_it_runs(plan, "local processes" if local else joined()), flush=True)
     return plan
-
-
-def where(address: str | None, local: bool) -> str:
-    if local:
-        return "local processes"
-    address = address or os.environ.get("RAY_ADDRESS")
-    return f"the Ray cluster at {address}" if address else "the local Ray instance"
 
 
 def where_it_runs(plan: Plan, cluster: str) -> str:
@@ -227,9 +222,7 @@ def leave_cpu_for_ray_data(cfg: Config) -> Config:
 
 def stage(plan: Plan) -> None:
     """The run's folder, with the config it runs with (a training run's ``config.yaml``)."""
-    run_dir = Path(plan.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_yaml(plan.config))
+    RunFolder(plan.run_dir).write_text("config.yaml", dump_yaml(plan.config))
 
 
 # ------------------------------------------------------------------ the commands
@@ -241,7 +234,8 @@ def train(cfg: Config, job: Job, address: str | None = None, local: bool = False
         plan = dataclasses.replace(plan, stop=stop.spec)
         summary = train_locally(plan, stop) if local else train_on_ray(plan)
         summary = dataclasses.replace(summary, stopped_by=stop.stopped_by())
-    print("\n".join(summary.lines(recorded_text(Path(plan.run_dir), plan.batch.global_batch))), flush=True)
+    found = recorded_text(RunFolder(plan.run_dir), plan.batch.global_batch)
+    print("\n".join(summary.lines(found)), flush=True)
     if summary.stopped_by:
         raise RunStopped(
             summary.stopped_by,
@@ -256,14 +250,19 @@ def train_on_ray(plan: Plan) -> RunSummary:
 
     result = run_trainer(build_trainer(plan))
     reported = sorted(
-        ((checkpoint.path, metrics) for checkpoint, metrics in result.best_checkpoints),
+        ((located(plan, checkpoint), metrics) for checkpoint, metrics in result.best_checkpoints),
         key=lambda pair: pair[1].get("report", 0),
     )
-    if result.checkpoint is not None and all(path != result.checkpoint.path for path, _ in reported):
-        reported.append((result.checkpoint.path, result.metrics or {}))
+    latest = located(plan, result.checkpoint) if result.checkpoint else None
+    if latest is not None and all(path != latest for path, _ in reported):
+        reported.append((latest, result.metrics or {}))
     summary = summary_of(plan.run_dir, reported, plan.main_metric_mode)
-    latest = result.checkpoint.path if result.checkpoint else None
     return dataclasses.replace(summary, latest_checkpoint=latest, step=(result.metrics or {}).get("step"))
+
+
+def located(plan: Plan, checkpoint: Any) -> str:
+    """A checkpoint of the run as its user names it: a local path, or a URI in the run's bucket."""
+    return join(plan.run_dir, Path(checkpoint.path).name)
 
 
 def train_locally(plan: Plan, stop: StopOnSignal) -> RunSummary:
@@ -281,4 +280,4 @@ def test(cfg: Config, job: Job, address: str | None = None) -> dict[str, float]:
 
     plan = plan_run(cfg, job, "test", address)
     result = run_trainer(build_trainer(plan))
-    return json.loads((Path(result.checkpoint.path) / "test_metrics.json").read_text())
+    return json.loads(RunFolder(located(plan, result.checkpoint)).read_text("test_metrics.json") or "{}")

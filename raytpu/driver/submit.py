@@ -27,7 +27,7 @@ from typing import Any
 
 from raytpu.config import Config, load_config
 from raytpu.config.args import extract
-from raytpu.driver.preflight import check_storage_is_a_folder
+from raytpu.storage.filesystems import check_location, join
 
 # Never uploaded with the working directory (gitignore syntax, relative to it): data sets,
 # run outputs, environments and caches. Ray refuses working directories over 500 MiB.
@@ -45,6 +45,10 @@ EXCLUDES = [
     "*.pt",
     "*.pth",
 ]
+
+
+#: what Ray's job client reads before any address (``RAY_ADDRESS`` included)
+API_SERVER = "RAY_API_SERVER_ADDRESS"
 
 
 class SubmitError(ValueError):
@@ -104,7 +108,7 @@ def cluster_warnings(cfg: Config) -> list[str]:
     if not _is_absolute(cfg.run.storage_path):
         notes.append(
             f"run.storage_path {cfg.run.storage_path!r} is relative: on the cluster it is inside the job's "
-            "temporary working directory; pass a folder every node mounts (NFS, or a bucket through Cloud Storage FUSE)"
+            "temporary working directory; pass a bucket (gs://BUCKET/runs) or a folder every node mounts (NFS)"
         )
     if cfg.data.path and not _is_absolute(cfg.data.path):
         notes.append(
@@ -118,7 +122,7 @@ def cluster_warnings(cfg: Config) -> list[str]:
 def follow_up(address: str, job_id: str, cfg: Config) -> list[str]:
     """What to run next: logs, status, stop, and TensorBoard on the run's folder."""
     where = f"--address {address}"
-    board = f"{cfg.run.storage_path.rstrip('/')}/{cfg.run.name}/tensorboard"
+    board = join(cfg.run.storage_path, cfg.run.name, "tensorboard")
     return [
         f"submitted job:  {job_id}",
         f"follow logs:    ray job logs {where} --follow {job_id}",
@@ -138,6 +142,9 @@ def connect(address: str) -> Any:
     from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
+    # Ray's client takes RAY_ADDRESS over the address it is given: the URL named here must win
+    previous = os.environ.get(API_SERVER)
+    os.environ[API_SERVER] = address
     try:
         return JobSubmissionClient(address, headers=auth_headers())
     except ConnectionError as exc:
@@ -145,6 +152,11 @@ def connect(address: str) -> Any:
         raise SubmitError(f"cannot reach the Ray dashboard at {address}: is the cluster up? ({reason})") from exc
     except (AuthenticationError, RuntimeError) as exc:
         raise SubmitError(_auth_message(address, exc)) from exc
+    finally:
+        if previous is None:
+            os.environ.pop(API_SERVER, None)
+        else:
+            os.environ[API_SERVER] = previous
 
 
 def _auth_message(address: str, exc: BaseException) -> str:
@@ -199,7 +211,7 @@ def main(config: str, overrides: list[str]) -> int:
         address, wait, overrides = split_args(overrides)
         cfg, _ = load_config(config, overrides)  # a bad key fails here, before anything is uploaded
         command = entrypoint(config, overrides)
-    check_storage_is_a_folder(cfg.run.storage_path)  # the cluster's paths are checked there, not here
+    check_location(cfg.run.storage_path, "run.storage_path")  # the cluster checks that it can write there
     url = dashboard_url(address)
     client = connect(url)
     for note in cluster_warnings(cfg):

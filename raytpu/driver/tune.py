@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import math
 import sys
@@ -24,10 +25,13 @@ from ray.tune import Callback
 from raytpu.config import Config, ConfigError, TuneConfig, dump_yaml, from_dict, load_config, to_dict, with_values
 from raytpu.config.args import extract
 from raytpu.config.batching import BatchPlan
-from raytpu.config.plan import Plan, resolve_config
+from raytpu.config.plan import Plan, resolve_config, storage_of
 from raytpu.driver import preflight
+from raytpu.driver.ray_trainer import ray_storage
 from raytpu.driver.search import Search, parse_search, searches_of
 from raytpu.job import Job
+from raytpu.storage.filesystems import join
+from raytpu.storage.run_folder import RunFolder
 
 #: what a trial's driver reserves: no CPU (it only waits on its TorchTrainer, whose workers need
 #: the CPUs: with any CPU here, 2 workers x 1 CPU never fit a 2-CPU machine) and 1 MiB of memory,
@@ -155,7 +159,8 @@ class Sweep:
         self.metric = cfg.tune.metric or f"valid/{job.main_metric}"
         self.mode = cfg.tune.mode or job.main_metric_mode
         self.name = cfg.tune.name or f"{cfg.run.name}-tune"
-        self.dir = Path(cfg.run.storage_path).resolve() / self.name
+        self.storage = storage_of(cfg)
+        self.dir = join(self.storage, self.name)  # a local path or a bucket URI
         self.max_t = reports_per_trial(cfg)
         self.data_root = data_root or cfg.data.path
 
@@ -216,7 +221,7 @@ def run(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
     plan = plan_run(cfg, job, "train", address)
     sweep = Sweep(cfg, job, searches, plan.data_root)
     concurrent = max_concurrent_trials(plan.config, preflight.read_cluster().nodes)
-    runs = str(sweep.dir / "runs")
+    runs = join(sweep.dir, "runs")
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, base=to_dict(cfg), sweep_plan=plan.as_dict(), runs_dir=runs),
         DRIVER_RESOURCES,
@@ -235,9 +240,11 @@ def make_tuner(sweep: Sweep, trainable: Any, concurrent: int) -> Any:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-    if tune.Tuner.can_restore(str(sweep.dir)):
+    storage = ray_storage(sweep.storage)
+    fs, path = storage.get("storage_filesystem"), join(storage["storage_path"], sweep.name)
+    if tune.Tuner.can_restore(path, storage_filesystem=fs):
         print(f"raytpu: resuming sweep {sweep.dir} (finished trials are kept)", flush=True)
-        return tune.Tuner.restore(str(sweep.dir), trainable, resume_unfinished=True, resume_errored=True)
+        return tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True, storage_filesystem=fs)
     tc = sweep.cfg.tune
     scheduler = (
         ASHAScheduler(
@@ -261,7 +268,7 @@ def make_tuner(sweep: Sweep, trainable: Any, concurrent: int) -> Any:
         ),
         run_config=tune.RunConfig(
             name=sweep.name,
-            storage_path=str(sweep.dir.parent),
+            **storage,
             callbacks=[TableCallback(sweep)],
             verbose=0,
         ),
@@ -274,9 +281,10 @@ def finish(sweep: Sweep, results: Any) -> dict[str, Any]:
         status = "ERROR" if result.error else "TERMINATED"
         rows.append(sweep.row(trial_id_of(result), dict(result.config), result.metrics, status))
     print("\n" + format_table(rows, sweep.columns), flush=True)
-    csv_path = sweep.dir / "results.csv"
-    write_csv(csv_path, rows, sweep.columns)
-    summary: dict[str, Any] = {"sweep_dir": str(sweep.dir), "results_csv": str(csv_path), "best_config": None}
+    folder = RunFolder(sweep.dir)
+    folder.write_text("results.csv", csv_text(rows, sweep.columns))
+    csv_path = folder.uri("results.csv")
+    summary: dict[str, Any] = {"sweep_dir": sweep.dir, "results_csv": csv_path, "best_config": None}
     scored = [r for r in rows if r[sweep.metric] is not None]
     write_hparams(sweep, rows)
     if scored:
@@ -287,7 +295,7 @@ def finish(sweep: Sweep, results: Any) -> dict[str, Any]:
         print(f"best trial:   {best['trial']} {sweep.metric}={best[sweep.metric]:.4g} {values}")
         print(f"best config:  {best_path}  (raytpu train {best_path})")
     print(f"results:      {csv_path}")
-    print(f"tensorboard:  tensorboard --logdir {sweep.dir / 'runs'}  (HPARAMS tab compares the trials)", flush=True)
+    print(f"tensorboard:  tensorboard --logdir {folder.uri('runs')}  (HPARAMS tab compares the trials)", flush=True)
     return summary
 
 
@@ -295,22 +303,22 @@ def trial_id_of(result: Any) -> str:
     return str((result.metrics or {}).get("trial_id") or Path(result.path).name)
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+def csv_text(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    handle = io.StringIO(newline="")
+    writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return handle.getvalue()
 
 
-def write_best_config(sweep: Sweep, values: dict[str, Any]) -> Path:
+def write_best_config(sweep: Sweep, values: dict[str, Any]) -> str:
     """A YAML that ``raytpu train`` runs as the best trial ran (same values, seed and scaled lr)."""
     cfg = with_values(trial_config(sweep.cfg, values), {"run.name": f"{sweep.name}-best", "data.path": sweep.data_root})
     cfg = dataclasses.replace(cfg, tune=TuneConfig())  # runtime and the rest as asked: best.yaml stays portable
-    path = sweep.dir / "best.yaml"
     header = f"# best trial of sweep {sweep.name} on {sweep.metric} ({sweep.mode}): {values}\n"
-    path.write_text(header + dump_yaml(cfg))
-    return path
+    folder = RunFolder(sweep.dir)
+    folder.write_text("best.yaml", header + dump_yaml(cfg))
+    return folder.uri("best.yaml")
 
 
 def write_hparams(sweep: Sweep, rows: list[dict[str, Any]]) -> None:
@@ -320,13 +328,14 @@ def write_hparams(sweep: Sweep, rows: list[dict[str, Any]]) -> None:
     from torch.utils.tensorboard.summary import hparams
 
     for row in rows:
-        log_dir = sweep.dir / "runs" / row["trial"] / "tensorboard"
-        if not log_dir.is_dir() or row[sweep.metric] is None:
+        trial = RunFolder(join(sweep.dir, "runs", row["trial"]))
+        if not trial.exists("tensorboard") or row[sweep.metric] is None:
             continue
         values = {s.key: row[s.key] for s in sweep.searches}
-        with SummaryWriter(log_dir=str(log_dir)) as writer:
+        with SummaryWriter(log_dir=str(trial.local("tensorboard"))) as writer:
             for summary in hparams(values, {sweep.metric: row[sweep.metric]}):
                 writer.file_writer.add_summary(summary)
+        trial.sync("tensorboard")
 
 
 # -------------------------------------------------------------------- CLI

@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 
 from raytpu.errors import ConfigError
 from raytpu.job import ROWS_PER_FILE, Columns, Job, Tabular
+from raytpu.storage.filesystems import filesystem
 
 MANIFEST = "_raytpu_prepared.json"
 PARTIAL = "_raytpu_partial"
@@ -45,10 +46,8 @@ FORMAT = "raytpu-parquet/1"
 
 # ------------------------------------------------------------- filesystem
 def open_fs(location: str) -> tuple[pafs.FileSystem, str]:
-    """A pyarrow filesystem and the path inside it: URIs as given, local paths made absolute."""
-    if "://" in location:
-        return pafs.FileSystem.from_uri(location)
-    return pafs.LocalFileSystem(), Path(location).resolve().as_posix()
+    """A pyarrow filesystem and the path inside it (``raytpu.storage.filesystems``)."""
+    return filesystem(location)
 
 
 def _exists(fs: pafs.FileSystem, path: str) -> bool:

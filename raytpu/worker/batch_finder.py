@@ -20,12 +20,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from raytpu.config import Config, with_values
 from raytpu.config.batching import BatchPlan
-from raytpu.worker.checkpoint import save_json
+from raytpu.storage.run_folder import RunFolder
 
 if TYPE_CHECKING:
     from raytpu.runtime.base import Runtime
@@ -96,29 +95,28 @@ def as_out_of_memory(exc: BaseException) -> BaseException:
 
 
 # ----------------------------------------------------------------- record
-def record(run_dir: Path, plan: BatchPlan, devices: int, failed_at: int) -> None:
-    """Write the chosen batch into the run folder (atomically: every rank may write the same)."""
-    save_json(
-        run_dir / RECORD,
-        {
-            "global_batch_size": plan.global_batch,
-            "replicas": plan.workers * devices,
-            "grad_accum": plan.grad_accum,
-            "per_device": plan.per_device(devices),
-            "out_of_memory_at": failed_at,
-        },
-    )
+def record(run_dir: RunFolder, plan: BatchPlan, devices: int, failed_at: int) -> None:
+    """Write the chosen batch into the run folder (in one piece: every rank may write the same)."""
+    found = {
+        "global_batch_size": plan.global_batch,
+        "replicas": plan.workers * devices,
+        "grad_accum": plan.grad_accum,
+        "per_device": plan.per_device(devices),
+        "out_of_memory_at": failed_at,
+    }
+    run_dir.write_text(RECORD, json.dumps(found, indent=2))
 
 
-def load_record(run_dir: Path) -> dict[str, Any] | None:
+def load_record(run_dir: RunFolder) -> dict[str, Any] | None:
     """The run folder's record as written by :func:`record`; None when there is none (or it is unreadable)."""
     try:
-        return json.loads((run_dir / RECORD).read_text())
+        text = run_dir.read_text(RECORD)
+        return json.loads(text) if text is not None else None
     except (OSError, ValueError):
         return None
 
 
-def read_record(run_dir: Path, configured: BatchPlan, devices: int) -> tuple[BatchPlan, int] | None:
+def read_record(run_dir: RunFolder, configured: BatchPlan, devices: int) -> tuple[BatchPlan, int] | None:
     """The recorded plan and the batch that ran out of memory, when the record is of this global
     batch over as many replicas and smaller than ``configured``; else None (a changed config
     searches afresh)."""
@@ -135,7 +133,7 @@ def read_record(run_dir: Path, configured: BatchPlan, devices: int) -> tuple[Bat
     return replace(configured, grad_accum=grad_accum), int(found.get("out_of_memory_at", 0))
 
 
-def recorded_text(run_dir: Path, global_batch: int) -> str | None:
+def recorded_text(run_dir: RunFolder, global_batch: int) -> str | None:
     """The recorded batch in words (for the run's summary), when the finder stepped down."""
     found = load_record(run_dir)
     if found is None or found.get("global_batch_size") != global_batch:
@@ -162,7 +160,7 @@ class BatchFinder:
     attempt trains with a new config holding the plan's accumulation steps; the config a run
     started with is never changed (the record and the checkpoints' ``meta.json`` say what ran)."""
 
-    def __init__(self, cfg: Config, runtime: Runtime, run_dir: Path) -> None:
+    def __init__(self, cfg: Config, runtime: Runtime, run_dir: RunFolder) -> None:
         self.cfg, self.runtime, self.run_dir = cfg, runtime, run_dir
         self.devices = runtime.local_devices
         configured = BatchPlan.of(cfg)
@@ -227,7 +225,7 @@ class BatchFinder:
             print(f"raytpu: {message}", flush=True)
 
 
-def fit_finding_batch(cfg: Config, runtime: Runtime, run_dir: Path, fit: Callable[[Config], T]) -> T:
+def fit_finding_batch(cfg: Config, runtime: Runtime, run_dir: RunFolder, fit: Callable[[Config], T]) -> T:
     """``fit(cfg)``, through the batch finder when ``loop.auto_find_batch_size`` is on."""
     if not cfg.loop.auto_find_batch_size:
         return fit(cfg)

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from raytpu.runtime.base import Runtime
+from raytpu.storage.run_folder import local_copy
 
 META = "meta.json"
 MODEL = "model.safetensors"
@@ -107,10 +108,15 @@ EXPECTED = (
 )
 
 
-def check_weights(path: str | Path) -> None:
+def check_weights(location: str | Path) -> None:
     """Refuse, in one line, a ``--checkpoint`` / ``checkpoint.weights`` that is not loadable weights:
-    reads only a checkpoint's ``meta.json``, a safetensors header or a torch file's index (mmap)."""
-    path = Path(path)
+    reads only a checkpoint's ``meta.json``, a safetensors header or a torch file's index (mmap).
+    A bucket URI is copied here first."""
+    with local_copy(str(location)) as path:
+        _check_weights(path)
+
+
+def _check_weights(path: Path) -> None:
     if not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} not found; {EXPECTED}")
     if path.is_dir():
@@ -152,13 +158,18 @@ def _state_dict(obj: Any, prefer_ema: bool) -> dict[str, Any]:
     return obj
 
 
-def load_model_weights(path: str | Path, prefer_ema: bool = True) -> dict[str, torch.Tensor]:
+def load_model_weights(location: str | Path, prefer_ema: bool = True) -> dict[str, torch.Tensor]:
     """Weights from a checkpoint dir, a ``.safetensors`` file or a torch file.
 
     Torch files may hold a bare state_dict or one under ``state_dict`` / ``model``
-    / ``ema`` (the layouts of the seed scripts), loaded with ``weights_only=True``.
+    / ``ema`` (the layouts of the seed scripts), loaded with ``weights_only=True``. A bucket URI
+    (``s3://.../checkpoint_00000100``) is copied here first, and the copy removed once read.
     """
-    path = Path(path)
+    with local_copy(str(location)) as path:
+        return _load_weights(path, prefer_ema)
+
+
+def _load_weights(path: Path, prefer_ema: bool) -> dict[str, torch.Tensor]:
     if not path.exists():
         raise CheckpointError(f"weights {str(path)!r} not found; pass a checkpoint directory or a weights file")
     if path.is_dir():
@@ -254,6 +265,7 @@ class Checkpointer:
             save_weights(directory / EMA, ema_state)
         save_torch(directory / TRAIN_STATE, train_state)
         meta = {**asdict(progress), "reason": reason, "metrics": metrics, "job": self.job_name, "config": self.config}
+        meta["world_size"] = rt.world_size  # every rank's RNG file must be there for the checkpoint to be whole
         save_json(directory / META, meta)
 
     def read(self, directory: Path) -> dict[str, Any]:
@@ -272,6 +284,9 @@ class Checkpointer:
             rng = {path.name: load_torch(path) for path in sorted((directory / "rng").glob("rank_*.pt"))}
         except Exception as exc:  # json, safetensors, zip and pickle errors: the files are damaged
             raise CheckpointError(f"{directory} is unreadable ({_reason(exc)})") from exc
+        ranks = meta.get("world_size", len(rng))
+        if len(rng) < ranks:  # a copy that stopped part-way (an object store writes each file whole)
+            raise CheckpointError(f"{directory} is incomplete (the RNG state of {len(rng)} of {ranks} workers)")
         loaded["rng"] = rng.get(f"rank_{self.runtime.rank}.pt")
         return loaded
 

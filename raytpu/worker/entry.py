@@ -23,6 +23,7 @@ from typing import Any
 from raytpu.config import Config
 from raytpu.config.plan import Plan
 from raytpu.job import load_job
+from raytpu.storage.run_folder import RunFolder
 from raytpu.worker.batch_finder import EXIT_BATCH_REDUCED, BatchReduced, fit_finding_batch
 from raytpu.worker.checkpoint import save_json
 from raytpu.worker.reporting import FolderReporter, RayReporter, Reporter
@@ -53,23 +54,28 @@ def run(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | N
     runtime = make_runtime(cfg.scaling.runtime, cfg.scaling.precision, seat.world, seat.rank, seat.local_rank, xla)
 
     def trainer(cfg: Config) -> Trainer:
-        return Trainer(cfg, job, runtime, Path(plan.run_dir), Path(plan.data_root), reporter, datasets)
+        return Trainer(cfg, job, runtime, plan.run_dir, Path(plan.data_root), reporter, datasets)
 
     if plan.mode == "train":
-        fit_finding_batch(cfg, runtime, Path(plan.run_dir), lambda cfg: trainer(cfg).fit())
+        fit_finding_batch(cfg, runtime, RunFolder(plan.run_dir), lambda cfg: trainer(cfg).fit())
         return
     metrics = trainer(cfg).test()
-    with tempfile.TemporaryDirectory(prefix="raytpu-test-") as tmp:
-        if runtime.is_main:
-            save_json(Path(tmp) / "test_metrics.json", metrics)
-        reporter.report(metrics, Path(tmp) if runtime.is_main else None, "test")
+    results = Path(tempfile.mkdtemp(prefix="raytpu-test-")) if runtime.is_main else None
+    if results is not None:
+        save_json(results / "test_metrics.json", metrics)
+    reporter.report(metrics, results, "test")
 
 
 def with_compile_cache(cfg: Config, run_dir: str) -> Config:
-    """XLA's persistent compile cache in the run folder unless ``xla.compile_cache`` names another."""
+    """XLA's persistent compile cache in the run folder unless ``xla.compile_cache`` names another;
+    a run in a bucket keeps it on each host's disk (the cache is read at every compile)."""
     from raytpu.config import with_values
 
-    return cfg if cfg.xla.compile_cache else with_values(cfg, {"xla.compile_cache": str(Path(run_dir) / "xla_cache")})
+    if cfg.xla.compile_cache:
+        return cfg
+    folder = RunFolder(run_dir)
+    cache = folder.local("xla_cache") if folder.remote else Path(run_dir) / "xla_cache"
+    return with_values(cfg, {"xla.compile_cache": str(cache)})
 
 
 # ------------------------------------------------------------------ Ray Train
@@ -86,7 +92,7 @@ def ray_entry(plan_values: dict[str, Any]) -> None:
     tpu = cfg.scaling.tpu
     if cfg.scaling.runtime == "xla" and tpu.accelerator_type and tpu.layout == "multiprocess":
         configure_chip_process(cfg, seat.rank)
-    reporter = RayReporter(Path(plan.run_dir), seat.rank, seat.world, plan.stop)
+    reporter = RayReporter(plan.run_dir, seat.rank, seat.world, plan.stop)
     run(plan, seat, reporter, {name: ray.train.get_dataset_shard(name) for name in plan.datasets})
 
 

@@ -7,20 +7,26 @@ import math
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from raytpu.storage.run_folder import RunFolder
+
+#: the run folder's TensorBoard log dir
+TENSORBOARD = "tensorboard"
+
 
 class RunLogger:
-    """Writes scalars/images to TensorBoard and drives a tqdm bar; silent off rank 0."""
+    """Writes scalars/images to TensorBoard and drives a tqdm bar; silent off rank 0. The event files
+    go to the run folder's ``tensorboard/`` (staged locally and copied at every flush when the run
+    folder is a bucket)."""
 
     def __init__(
-        self, log_dir: Path, enabled: bool, tensorboard: bool, progress_bar: bool, total: int, initial: int
+        self, folder: RunFolder, enabled: bool, tensorboard: bool, progress_bar: bool, total: int, initial: int
     ) -> None:
-        self.enabled = enabled
+        self.enabled, self.folder = enabled, folder
         self.writer = None
         self.bar = None
         if not enabled:
@@ -28,7 +34,7 @@ class RunLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(log_dir))
+            self.writer = SummaryWriter(log_dir=str(folder.local(TENSORBOARD)))
         if progress_bar:
             self.bar = tqdm(
                 total=total, initial=initial, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True
@@ -88,12 +94,14 @@ class RunLogger:
     def flush(self) -> None:
         if self.writer is not None:
             self.writer.flush()
+            self.folder.sync(TENSORBOARD)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+            self.folder.sync(TENSORBOARD)
 
 
 def dotted_values(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -10,8 +10,10 @@ read in a step closure, after the step's graph ran, so nothing in the step waits
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -34,6 +36,7 @@ from raytpu.job import (
     in_warmup,
 )
 from raytpu.runtime.base import Runtime
+from raytpu.storage.run_folder import RunFolder
 from raytpu.worker import checkpoint as ckpt
 from raytpu.worker.cadence import Cadence, Scoreboard
 from raytpu.worker.callbacks import Callback
@@ -55,7 +58,7 @@ class Trainer:
         cfg: Config,
         job: Job,
         runtime: Runtime,
-        run_dir: Path,
+        run_dir: str | Path,
         data_root: Path,
         reporter: Reporter,
         datasets: dict[str, Any] | None = None,
@@ -63,7 +66,8 @@ class Trainer:
     ) -> None:
         """``datasets``: split -> Ray ``DataIterator``, read when ``data.loader`` is ``ray``."""
         self.cfg, self.job, self.runtime = cfg, job, runtime
-        self.run_dir, self.data_root, self.reporter = run_dir, data_root, reporter
+        self.folder = RunFolder(run_dir)  # a local folder or a bucket prefix
+        self.data_root, self.reporter = data_root, reporter
         self.datasets = datasets or {}
         self.callbacks = list(callbacks)
         self.progress = Progress()
@@ -134,15 +138,19 @@ class Trainer:
     def _resume(self) -> None:
         """Continue from the newest checkpoint that reads back whole; a damaged one (a crash
         mid-write, a bad disk) is skipped with a warning that names it."""
-        for directory in self.reporter.resume_candidates() if self.cfg.checkpoint.resume else []:
-            try:
-                loaded = self.checkpointer.read(directory)
-            except ckpt.CheckpointError as exc:
-                self._message(f"warning: skipping checkpoint {exc}; trying an older one")
-                continue
-            self.progress, self._restored_metrics = self.checkpointer.restore(loaded, self.state)
-            self._message(f"resumed from {directory} at step {self.progress.step} (epoch {self.progress.epoch})")
+        if not self.cfg.checkpoint.resume:
             return
+        with contextlib.closing(self.reporter.resume_candidates()) as candidates:
+            for directory in candidates:
+                where = self.reporter.location_of(directory)
+                try:
+                    loaded = self.checkpointer.read(directory)
+                except ckpt.CheckpointError as exc:
+                    self._message(f"warning: skipping checkpoint {where}: {exc}; trying an older one")
+                    continue
+                self.progress, self._restored_metrics = self.checkpointer.restore(loaded, self.state)
+                self._message(f"resumed from {where} at step {self.progress.step} (epoch {self.progress.epoch})")
+                return
 
     # ------------------------------------------------------------- train
     def fit(self) -> dict[str, float]:
@@ -150,7 +158,7 @@ class Trainer:
         self._resume()
         cfg = self.cfg
         self.logger = RunLogger(
-            self.run_dir / "tensorboard",
+            self.folder,
             self.runtime.is_main,
             cfg.logging.tensorboard,
             cfg.logging.progress_bar,
@@ -349,9 +357,13 @@ class Trainer:
         metrics = {**metrics, **board.train_loss()}
         p.reports += 1
         report = board.values(p, metrics, scored)
-        with tempfile.TemporaryDirectory(prefix="raytpu-ckpt-") as tmp:
-            self.checkpointer.save(Path(tmp), self.state, p, metrics, reason)
-            self.reporter.report(report, Path(tmp), f"checkpoint_{p.step:08d}")
+        directory = Path(tempfile.mkdtemp(prefix="raytpu-ckpt-"))  # the reporter's once reported
+        try:
+            self.checkpointer.save(directory, self.state, p, metrics, reason)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        self.reporter.report(report, directory, f"checkpoint_{p.step:08d}")
         for callback in self.callbacks:
             callback.on_checkpoint(self, report)
 
@@ -384,7 +396,8 @@ class Trainer:
         if isinstance(self.job, CustomTest):
             if not rt.is_main:
                 return {}
-            custom = self.job.test(rt.unwrap(self.model), cfg, self.run_dir, self.data_root)
+            custom = self.job.test(rt.unwrap(self.model), cfg, self.folder.local(), self.data_root)
+            self.folder.sync()  # what the test wrote (sample images): into the bucket when the run is there
             return {f"test/{k}": float(v) for k, v in custom.items()}
         self.data = make_worker_data(cfg, self.job, rt, self.data_root, self.datasets, mode="test")
         return self.evaluate("test")

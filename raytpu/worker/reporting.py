@@ -12,18 +12,25 @@ request the same way (:meth:`Reporter.interruption`).
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import re
 import shutil
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from raytpu.driver.signals import confirm_stop, stop_requested
+from raytpu.storage.run_folder import RunFolder
 from raytpu.worker.checkpoint import CheckpointWriteError, is_complete, save_json
 
 #: beside a checkpoint's ``meta.json`` in a run folder: what it was reported with (its score)
 REPORT = "report.json"
+#: the run's checkpoint folders (``checkpoint_<step>``; not Ray's ``checkpoint_manager_snapshot.json``)
+CHECKPOINT_NAME = re.compile(r"^checkpoint_\d+$")
 
 
 # ------------------------------------------------------------------ the one rule
@@ -66,18 +73,26 @@ class Reporter:
     def __init__(self, rank: int = 0, world: int = 1, stop: str = "") -> None:
         self.rank, self.world, self.stop = rank, world, stop
 
-    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str) -> None:
-        """Every rank reports the same steps; each passes its own part of the checkpoint (or None)."""
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str, owned: bool = True) -> None:
+        """Every rank reports the same steps; each passes its own part of the checkpoint (or None).
+        ``owned``: the reporter removes the folder once stored; else it is the user's (a launched
+        script's ``save_state`` folder), left as it is and, in a run folder on the same disk,
+        hard-linked rather than copied."""
         raise NotImplementedError
 
     def latest_checkpoint(self) -> Path | None:
         raise NotImplementedError
 
-    def resume_candidates(self) -> list[Path]:
-        """The run's checkpoints to resume from, newest first (an older one is the fallback when a
-        newer one turns out damaged)."""
+    def resume_candidates(self) -> Iterator[Path]:
+        """The run's checkpoints to resume from, newest first, each a local folder when it is
+        reached (an older one is the fallback when a newer one turns out damaged)."""
         latest = self.latest_checkpoint()
-        return [latest] if latest else []
+        if latest:
+            yield latest
+
+    def location_of(self, directory: Path) -> str:
+        """Where a checkpoint that :meth:`resume_candidates` gave lives, as its user names it."""
+        return str(directory)
 
     def interruption(self) -> str | None:
         """Called by every rank at the same steps: ``"stop"`` (checkpoint and stop: the driver was
@@ -106,31 +121,78 @@ def from_rank_zero(value: bool, world: int) -> bool:
     return value
 
 
+def link_checkpoint(source: Path, target: Path) -> Any:
+    """``source``'s files hard-linked into ``target`` (copied where a link cannot be made: another
+    disk); the checkpoint at ``target``."""
+    import ray.train
+
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        destination = target / path.relative_to(source)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        destination.unlink(missing_ok=True)
+        try:
+            os.link(path, destination)
+        except OSError:
+            shutil.copy2(path, destination)
+    return ray.train.Checkpoint(str(target))
+
+
 def checkpoint_dirs(root: Path) -> list[Path]:
     """``root``'s ``checkpoint_*`` folders, complete or not, newest (highest step) first."""
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("checkpoint_")), reverse=True)
+    return sorted((p for p in root.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name)), reverse=True)
 
 
 # ------------------------------------------------------------------ Ray Train
 class RayReporter(Reporter):
     """Reports and checkpoints through ``ray.train.report``; the run's latest checkpoint from Ray;
-    preemption notices from Ray Train (``get_preemption_info``, agreed by its controller)."""
+    preemption notices from Ray Train (``get_preemption_info``, agreed by its controller).
 
-    def __init__(self, run_dir: Path, rank: int = 0, world: int = 1, stop: str = "") -> None:
+    A checkpoint is written to a local folder, then Ray Train copies it into the run's storage (a
+    disk or a bucket) in the background (``CheckpointUploadMode.ASYNC``) and deletes the local
+    copy; training goes on meanwhile. At most one copy is in flight: a checkpoint that comes while
+    the previous one is still on its way waits for it. The end of the run waits for the last one."""
+
+    def __init__(self, run_dir: str, rank: int = 0, world: int = 1, stop: str = "") -> None:
         super().__init__(rank, world, stop)
-        self.run_dir = run_dir
+        self.folder = RunFolder(run_dir)
         self._restore: Any = None
+        self._locations: dict[Path, str] = {}  # local copies of a bucket's checkpoints -> their URIs
+        self._stored = threading.Event()
+        self._stored.set()
 
-    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str) -> None:
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str, owned: bool = True) -> None:
+        import ray.train
+        from ray.train import CheckpointUploadMode
+
+        self._stored.wait()
+        checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
+        if checkpoint is not None:
+            self._stored.clear()
+        ray.train.report(
+            metrics,
+            checkpoint=checkpoint,
+            checkpoint_dir_name=name or None,
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+            delete_local_checkpoint_after_upload=owned,
+            checkpoint_upload_fn=functools.partial(self._store, linked=not owned and not self.folder.remote),
+        )
+
+    def _store(self, checkpoint: Any, name: str, linked: bool = False) -> Any:
+        """The checkpoint into the run's storage (in Ray Train's upload thread), then the next may go:
+        Ray Train's own copy, or hard links into a run folder on the same disk."""
         import ray.train
 
-        checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
+        storage = ray.train.get_context().get_storage()
         try:
-            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name or None)
-        except OSError as exc:  # Ray copies the checkpoint into run.storage_path
-            raise CheckpointWriteError(exc.filename or self.run_dir / name, exc) from exc
+            if linked:
+                return link_checkpoint(Path(checkpoint.path), Path(storage.build_checkpoint_path_from_name(name)))
+            return storage.persist_current_checkpoint(checkpoint, name)
+        except OSError as exc:  # a full disk, a refused or unreachable bucket
+            raise CheckpointWriteError(exc.filename or self.folder.uri(name), exc) from exc
+        finally:
+            self._stored.set()
 
     def latest_checkpoint(self) -> Path | None:
         import ray.train
@@ -139,13 +201,34 @@ class RayReporter(Reporter):
         if found is None:
             return None
         self._restore = found.as_directory()
-        return Path(self._restore.__enter__())
+        local = Path(self._restore.__enter__())
+        self._locations[local] = self.folder.uri(Path(found.path).name)
+        return local
 
-    def resume_candidates(self) -> list[Path]:
-        """Ray's latest checkpoint, then the run folder's older ones (when it is a local folder)."""
-        latest = self.latest_checkpoint()
-        older = [p for p in checkpoint_dirs(self.run_dir) if latest is None or p.name != latest.name]
-        return ([latest] if latest else []) + older
+    def resume_candidates(self) -> Iterator[Path]:
+        """Ray's latest checkpoint, then the run folder's older ones (copied from a bucket when
+        reached); the local copies of a bucket's checkpoints are removed once the caller is done."""
+        copies: list[Path] = []
+        try:
+            latest = self.latest_checkpoint()
+            if latest is not None:
+                yield latest
+            names = sorted((n for n in self.folder.children() if CHECKPOINT_NAME.match(n)), reverse=True)
+            for name in names:
+                if latest is None or name != Path(self._locations.get(latest, "")).name:
+                    copies.append(self.folder.fetch(name))
+                    self._locations[copies[-1]] = self.folder.uri(name)
+                    yield copies[-1]
+        finally:
+            if self._restore is not None:
+                self._restore.__exit__(None, None, None)  # Ray's own copy of its latest checkpoint
+                self._restore = None
+            for copy in copies:
+                if self.folder.remote:
+                    shutil.rmtree(copy.parent, ignore_errors=True)
+
+    def location_of(self, directory: Path) -> str:
+        return self._locations.get(directory, str(directory))
 
     def preempted(self) -> bool:
         import ray.train
@@ -166,7 +249,7 @@ class FolderReporter(Reporter):
         self.root, self.num_to_keep, self.mode = Path(run_dir), num_to_keep, mode
         self.reports: list[dict[str, Any]] = []
 
-    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str) -> None:
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str, owned: bool = True) -> None:
         self.reports.append(dict(metrics))
         if checkpoint_dir is None:
             return
@@ -176,6 +259,8 @@ class FolderReporter(Reporter):
                 shutil.rmtree(staging, ignore_errors=True)
             self._barrier()
             shutil.copytree(checkpoint_dir, staging, dirs_exist_ok=True)
+            if owned:
+                shutil.rmtree(checkpoint_dir, ignore_errors=True)
             self._barrier()
             if self.rank == 0:
                 save_json(staging / REPORT, {**metrics, "report": metrics.get("report", len(self.entries()) + 1)})
@@ -214,8 +299,8 @@ class FolderReporter(Reporter):
         best = best_of(self.entries(), self.mode)
         return self.root / best.name if best else None
 
-    def resume_candidates(self) -> list[Path]:
-        return checkpoint_dirs(self.root)
+    def resume_candidates(self) -> Iterator[Path]:
+        yield from checkpoint_dirs(self.root)
 
 
 def read_report(directory: Path) -> dict[str, Any]:

@@ -1,0 +1,115 @@
+"""A run whose folder is an S3 bucket, on a real multi-node Ray cluster on this machine.
+
+Run by ``tests/test_buckets.py`` as ``python -m tests.bucket_cluster OUT`` (a Ray cluster of its
+own, apart from the test session's instance), with the S3 server's endpoint and keys in the
+environment, which every node reads, as a cloud VM reads its own. A head without CPUs and two
+worker nodes of one CPU each, every node with a temporary folder of its own (``TMPDIR``): MSHNet
+small trains on 2 workers (one per node) into ``s3://BUCKET/cluster``; one worker is SIGKILLed after
+the first checkpoint and the run resumes from the bucket; the same run trains again, uninterrupted,
+into a local folder; ``raytpu test`` evaluates both final checkpoints. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tests.stores import BUCKET
+
+TINY = ["job.base_size=64", "job.crop_size=64", "job.warm_epoch=0", "job.synth_n=40", "job.synth_size=64",
+        "scaling.num_workers=2", "data.global_batch_size=8", "loop.log_every=1", "logging.progress_bar=false",
+        "loop.epochs=3", "checkpoint.num_to_keep=5"]  # fmt: skip
+RUNS = f"s3://{BUCKET}/cluster"
+
+
+def train(config: Path, storage: str, name: str, *extra: str) -> int:
+    from raytpu import cli
+
+    return cli.main(["train", str(config), *TINY, f"run.storage_path={storage}", f"run.name={name}", *extra])
+
+
+def kill_a_worker_after_the_first_checkpoint(folder: object, killed: list[int]) -> None:
+    """SIGKILL one of the run's Ray Train workers once a checkpoint is whole in the bucket."""
+    from ray.util.state import list_actors
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        names = [n for n in folder.children() if n.startswith("checkpoint_0")]
+        if names and folder.exists(f"{names[0]}/meta.json"):
+            break
+        time.sleep(0.2)
+    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")], detail=True)
+    killed.append(workers[0].pid)
+    os.kill(killed[0], signal.SIGKILL)
+
+
+def leftovers(folders: list[Path]) -> list[str]:
+    """The folders of checkpoint files still on the nodes' own disks: the bucket holds the run's,
+    and a worker removes its local copy once stored; only a killed one cannot (the checkpoint it
+    was writing when it died, which never reached the bucket and is never resumed from)."""
+    files = (p for folder in folders for p in folder.rglob("*") if p.suffix in (".safetensors", ".pt"))
+    return sorted({str(p.parent.parent if p.parent.name == "rng" else p.parent) for p in files})
+
+
+def main(out: Path) -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from raytpu.jobs.mshnet.synth import synthesize
+    from raytpu.storage.run_folder import RunFolder
+
+    config = Path(__file__).resolve().parents[1] / "jobs" / "mshnet" / "small.yaml"
+    synthesize(out / "data", n=40, size=64, seed=0)
+    data = [f"data.path={out / 'data'}"]
+    node_tmp = [out / "node1-tmp", out / "node2-tmp"]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        for folder in node_tmp:
+            folder.mkdir()
+            cluster.add_node(num_cpus=1, env_vars={"TMPDIR": str(folder)})
+        cluster.wait_for_nodes()
+        os.environ["RAY_ADDRESS"] = cluster.address
+        killed: list[int] = []
+        folder = RunFolder(f"{RUNS}/killed")
+        killer = threading.Thread(target=kill_a_worker_after_the_first_checkpoint, args=(folder, killed))
+        killer.start()
+        codes = {"killed": train(config, RUNS, "killed", *data, "checkpoint.max_failures=1")}
+        killer.join()
+        codes["straight"] = train(config, str(out / "results"), "straight", *data)
+        final = max(n for n in folder.children() if n.startswith("checkpoint_0"))
+        report = {"codes": codes, "killed": killed, "final": final, "bucket": folder.children()}
+        report["tensorboard"] = folder.children("tensorboard")
+        report["leftovers"] = leftovers(node_tmp)
+        report["local_run_dirs"] = sorted(str(p) for p in Path.cwd().rglob("killed"))
+        for name, checkpoint in (("bucket", folder.uri(final)), ("local", str(out / "results" / "straight" / final))):
+            code = test(config, checkpoint, data, out / f"test-{name}.json")
+            report[f"test_{name}"] = json.loads((out / f"test-{name}.json").read_text()) if code == 0 else code
+        print(json.dumps(report), flush=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test(config: Path, checkpoint: str, data: list[str], into: Path) -> int:
+    """``raytpu test`` of a checkpoint; its metrics line written to ``into``."""
+    import contextlib
+    import io
+
+    from raytpu import cli
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        where = ["--checkpoint", checkpoint, f"run.storage_path={into.parent}"]
+        code = cli.main(["test", str(config), *TINY, *data, *where])
+    if code == 0:
+        into.write_text(printed.getvalue().strip().splitlines()[-1])
+    return code
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

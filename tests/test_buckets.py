@@ -1,0 +1,136 @@
+"""Run folders in a bucket (``s3://``, ``gs://``), against real storage servers on loopback: the
+filesystem layer, a run on a multi-node Ray cluster killed and resumed from S3, a run on GCS that
+resumes past a damaged newest checkpoint, and tests of checkpoints in a bucket. (Tune, launch,
+submit and Ray Data with a bucket: in their own test files.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raytpu import cli
+from raytpu.errors import ConfigError
+from raytpu.storage.filesystems import check_location, diagnose, is_remote, join
+from raytpu.storage.run_folder import RunFolder, local_copy
+from tests.conftest import ROOT
+from tests.stores import BUCKET
+
+
+# ------------------------------------------------------------------ the layer
+@pytest.mark.parametrize(
+    ("location", "message"),
+    [
+        ("hdfs://namenode/runs", "use a local folder, gs://bucket/prefix or s3://bucket/prefix"),
+        ("s3:///runs", "names no bucket; write s3://BUCKET/PREFIX"),
+        ("s3://b/runs?access_key=AKIA&secret_key=x", "carries access_key, secret_key: credentials never go"),
+    ],
+)
+def test_a_location_is_a_folder_or_a_bucket_without_credentials(location, message):
+    with pytest.raises(ConfigError, match=message.replace("?", r"\?")):
+        check_location(location, "run.storage_path")
+    check_location("gs://b/runs", "run.storage_path")
+    check_location("relative/runs", "run.storage_path")
+
+
+def test_locations_join_and_errors_say_what_to_do():
+    assert join("gs://b/runs/", "r1", "tensorboard") == "gs://b/runs/r1/tensorboard"
+    assert join("/x/runs", "r1") == "/x/runs/r1" and not is_remote("/x") and is_remote("s3://b")
+    assert "the bucket 'b' does not exist" in diagnose("s3://b/x", "AWS Error NO_SUCH_BUCKET during PutObject")
+    assert "may not write there" in diagnose("s3://b/x", "AWS Error ACCESS_DENIED during CreateMultipartUpload")
+    assert "no valid credentials" in diagnose("gs://b/x", "Could not create a OAuth2 access token")
+    assert "does not answer" in diagnose("s3://b/x", "AWS Error NETWORK_CONNECTION: Could not connect")
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_run_folder_in_a_bucket_reads_writes_stages_and_fetches(stores, scheme, tmp_path):
+    folder = RunFolder(f"{scheme}://{BUCKET}/folder-{tmp_path.name}")
+    assert folder.remote and folder.read_text("config.yaml") is None and not folder.exists()
+    folder.write_text("config.yaml", "a: 1\n")
+    (folder.local("tensorboard") / "events.1").write_text("first")
+    folder.sync("tensorboard")
+    (folder.local("tensorboard") / "events.1").write_text("first and second")
+    folder.sync("tensorboard")
+    assert folder.read_text("config.yaml") == "a: 1\n" and folder.children() == ["config.yaml", "tensorboard"]
+    assert folder.read_text("tensorboard/events.1") == "first and second"
+    with local_copy(folder.uri("tensorboard")) as fetched:
+        assert (fetched / "events.1").read_text() == "first and second"
+    assert not fetched.exists()  # a copy, removed after use
+    folder.fs.delete_dir(folder.path("tensorboard"))  # a prefix without a folder marker (GCS: no 404)
+    assert folder.children() == ["config.yaml"]
+
+
+# ------------------------------------------------------------------ a multi-node cluster on S3
+@pytest.mark.integration
+def test_a_run_in_s3_on_three_nodes_resumes_after_a_kill_bit_identical_to_a_local_run(stores, tmp_path):
+    """MSHNet small on 2 workers of a head and two worker nodes, its folder in S3: a SIGKILLed
+    worker after the first checkpoint, the group restarted from the bucket's checkpoint; the final
+    weights equal those of the same run uninterrupted in a local folder, bit for bit, and so do
+    the test metrics of the two final checkpoints; nothing of the run is left on the nodes' disks."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.bucket_cluster", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["codes"] == {"killed": 0, "straight": 0} and report["killed"], report
+    assert report["final"] == "checkpoint_00000012"  # 32 train images, 8 a step: 4 steps an epoch, 3 epochs
+    assert "config.yaml" in report["bucket"] and report["tensorboard"], report["bucket"]
+    assert len(report["leftovers"]) <= 1 and not report["local_run_dirs"], report  # at most the killed worker's
+    assert report["test_bucket"] == report["test_local"] and "test/mIoU" in report["test_bucket"]
+    from raytpu.storage.run_folder import RunFolder
+
+    final = report["final"]
+    in_bucket = load_file(RunFolder(f"s3://{BUCKET}/cluster/killed").fetch(final) / "model.safetensors")
+    straight = load_file(tmp_path / "results" / "straight" / final / "model.safetensors")
+    for key in straight:
+        torch.testing.assert_close(in_bucket[key], straight[key], rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ GCS on the session's instance
+def train(config: Path, name: str, *extra: str) -> int:
+    common = ["scaling.num_workers=2", "data.global_batch_size=8", "loop.log_every=1", "logging.progress_bar=false",
+              "checkpoint.num_to_keep=2"]  # fmt: skip
+    common.append(f"run.storage_path=gs://{BUCKET}/runs")
+    return cli.main(["train", str(config), *common, f"run.name={name}", *extra])
+
+
+@pytest.mark.integration
+def test_a_run_in_gcs_resumes_past_a_damaged_checkpoint_and_tests_from_the_bucket(ray_session, tmp_path, capfd):
+    """The toy job on 2 workers into gs:// for 2 epochs (checkpoints 8 and 16 in the bucket); the
+    newest loses a worker's RNG file (a copy that stopped part-way); the same command, one epoch
+    longer, skips it with a warning, resumes from step 8 and completes; Ray Train's retention
+    deletes checkpoints of the bucket without an error; ``raytpu test`` reads one from it."""
+    config = tmp_path / "toy.yaml"
+    config.write_text(f"job: {{name: tests.toy_job}}\ndata: {{path: {tmp_path}}}\n")
+    assert train(config, "gcs", "loop.epochs=2") == 0
+    folder = RunFolder(f"gs://{BUCKET}/runs/gcs")
+    checkpoints = [n for n in folder.children() if n.startswith("checkpoint_0")]
+    assert checkpoints == ["checkpoint_00000008", "checkpoint_00000016"]
+    folder.fs.delete_file(folder.path("checkpoint_00000016", "rng", "rank_1.pt"))
+    capfd.readouterr()
+    assert train(config, "gcs", "loop.epochs=3") == 0
+    out, err = capfd.readouterr()
+    assert "skipping checkpoint" in out + err and "incomplete (the RNG state of 1 of 2 workers)" in out + err
+    assert f"resumed from gs://{BUCKET}/runs/gcs/checkpoint_00000008 at step 8" in out, out[-2000:]
+    assert "Caught exception when deleting" not in out + err  # retention on GCS: prefixes without markers
+    kept = [n for n in folder.children() if n.startswith("checkpoint_0")]
+    assert "checkpoint_00000024" in kept and len(kept) <= 3, kept
+    assert folder.read_text("config.yaml") and folder.children("tensorboard")
+    best = out.split("best checkpoint:")[1].split()[0]
+    assert best.startswith(f"gs://{BUCKET}/runs/gcs/checkpoint_")
+    assert cli.main(["test", str(config), "--checkpoint", best, f"run.storage_path={tmp_path}"]) == 0
+    tested = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    assert set(tested) == {"test/mse"}
