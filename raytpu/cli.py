@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from raytpu.config import load_config
@@ -19,6 +20,15 @@ from raytpu.job import HasStatistics, Synthesizes, load_job
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
+
+
+def command_start() -> float:
+    """When the running command started: the process's start when ``raytpu`` is the program (its
+    imports count as start-up), else the call of :func:`main` (another program that calls it)."""
+    from raytpu.worker.timing import process_started
+
+    program = str(getattr(sys.modules.get("__main__"), "__file__", "") or "")
+    return process_started() if Path(program).name in ("raytpu", "cli.py") else time.time()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,12 +95,13 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = command_start()
     # the driver never touches a device: Transformers (a job's config check) must not load torch_xla
     os.environ.setdefault("USE_TORCH_XLA", "0")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # jobs outside the package load by dotted path, as with `python -m`
     try:
-        return dispatch(build_parser().parse_args(argv))
+        return dispatch(build_parser().parse_args(argv), started)
     except (ConfigError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
         print(f"raytpu: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
@@ -109,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def dispatch(args: argparse.Namespace) -> int:
+def dispatch(args: argparse.Namespace, started: float) -> int:
     if args.command in ("train", "test"):
-        return run(args)
+        return run(args, started)
     if args.command == "data":
         return data_command(args)
     if args.command == "export":
@@ -139,7 +150,7 @@ def dispatch(args: argparse.Namespace) -> int:
     raise AssertionError(args.command)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, started: float) -> int:
     from raytpu.driver import runs
 
     switches = ["--local", "--verbose"] if args.command == "train" else ["--verbose"]
@@ -157,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.run.mode == "test":
         print(json.dumps(runs.test(cfg, job, address)), flush=True)
         return 0
-    runs.train(cfg, job, address, local=local)
+    runs.train(cfg, job, address, local=local, started=started)
     return 0
 
 

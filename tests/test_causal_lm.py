@@ -19,8 +19,7 @@ from raytpu.jobs.causal_lm import corpus
 from raytpu.runtime import make_runtime
 from raytpu.worker import checkpoint as ckpt
 from raytpu.worker.cadence import Cadence
-from raytpu.worker.callbacks import Callback
-from raytpu.worker.loop import Trainer
+from raytpu.worker.loop import Callback, Trainer
 from raytpu.worker.reporting import FolderReporter
 from tests.conftest import ROOT, run_python
 

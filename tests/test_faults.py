@@ -4,6 +4,7 @@ weights equal those of an uninterrupted one, and the console shows none of Ray T
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -16,13 +17,18 @@ from safetensors.torch import load_file
 
 from raytpu import cli
 from raytpu.worker import checkpoint as ckpt
+from raytpu.worker import timing
 
 pytestmark = pytest.mark.integration
 
 #: 64 samples / global batch 8 = 8 steps per epoch, 3 epochs; a checkpoint (with an eval) at each
-#: epoch end; 0.15 s per step so that a run can be hit in the middle
-COMMON = ["scaling.num_workers=2", "data.global_batch_size=8", "loop.epochs=3", "loop.log_every=1",
-          "job.step_sleep=0.15", "logging.progress_bar=false", "checkpoint.num_to_keep=5"]  # fmt: skip
+#: epoch end; 0.2 s per step so that a run can be hit in the middle; known delays in loading (10 ms a
+#: sample, 4 samples per worker and step) and in each checkpoint write (0.2 s) for the goodput
+COMMON = ["scaling.num_workers=2", "data.global_batch_size=8", "loop.epochs=3", "loop.log_every=8",
+          "job.step_sleep=0.2", "logging.progress_bar=false", "checkpoint.num_to_keep=5",
+          "job.item_sleep=0.01", "job.checkpoint_sleep=0.2"]  # fmt: skip
+#: what rank 0 of the uninterrupted run must show in each category: 24 steps, 3 checkpoints
+INJECTED = {"productive": 24 * 0.2, "input": 24 * 4 * 0.01, "checkpointing": 3 * 0.2}
 #: lines of Ray Train's own machinery that must not reach the console at default verbosity
 RAY_INTERNALS = ["Reporting training result", "Checkpoint successfully created", "repeated", "[Gloo]",
                  "PreemptionWatcher", "Token authentication", "log_deduplication", "TrainController"]  # fmt: skip
@@ -67,13 +73,32 @@ def when_checkpointed(run_dir: Path, step: int, action) -> threading.Thread:
 def straight(ray_session, tmp_path_factory):
     """The uninterrupted run, and what the console showed of it."""
     tmp_path = tmp_path_factory.mktemp("faults")
-    return tmp_path, train(tmp_path, "straight")
+    started = time.time()
+    code = train(tmp_path, "straight")
+    return tmp_path, code, time.time() - started
+
+
+def goodput(run_dir: Path) -> dict:
+    return json.loads((run_dir / timing.RECORD).read_text())
+
+
+def test_the_goodput_breakdown_has_each_delay_in_its_category_and_adds_up_to_the_wall_time(straight, capfd):
+    tmp_path, code, wall = straight
+    assert code == 0
+    record = goodput(tmp_path / "results" / "straight")
+    categories = record["categories"]
+    for name, seconds in INJECTED.items():
+        assert seconds <= categories[name] <= 1.1 * seconds, (name, categories)
+    assert record["wall_s"] == pytest.approx(wall, rel=0.02)
+    assert sum(categories.values()) == pytest.approx(record["wall_s"], rel=1e-9)
+    assert categories["startup"] > 5 and categories["lost"] == 0, categories  # Ray and two workers
+    assert record["goodput"] == pytest.approx(categories["productive"] / record["wall_s"])
 
 
 def test_the_console_shows_no_ray_internals_and_a_tie_has_the_same_best_as_local(straight, capfd):
     """Every evaluation of this run scores the same: Ray Train and the local processes keep and
     choose checkpoints by one rule, whose tie goes to the newer checkpoint (step 16 of 8 and 16)."""
-    tmp_path, code = straight
+    tmp_path, code, _ = straight
     assert code == 0
     tie = ["loop.epochs=2", "job.constant_metric=0.5"]
     code = train(tmp_path, "console", *tie)
@@ -94,7 +119,7 @@ def test_the_console_shows_no_ray_internals_and_a_tie_has_the_same_best_as_local
 
 
 def test_a_raising_worker_ends_the_run_and_the_rerun_resumes(straight, capfd):
-    tmp_path, _ = straight
+    tmp_path, _, _ = straight
     capfd.readouterr()
     assert train(tmp_path, "raised", "job.fail_at_step=13") == 1
     err = capfd.readouterr().err.strip().splitlines()
@@ -103,12 +128,18 @@ def test_a_raising_worker_ends_the_run_and_the_rerun_resumes(straight, capfd):
     assert train(tmp_path, "raised") == 0
     assert "resumed from" in capfd.readouterr().out
     assert_same_weights(tmp_path, "raised")
+    record = goodput(tmp_path / "results" / "raised")
+    assert [command["outcome"] for command in record["commands"]] == ["failed", "completed"]
+    # steps 9-12 (after the checkpoint of step 8) ran in the failed command and again in the resumed
+    # one: lost, with the failed command's end; only 8 + 16 steps are productive
+    assert record["categories"]["lost"] >= 4 * 0.2, record["categories"]
+    assert INJECTED["productive"] <= record["categories"]["productive"] <= 1.1 * INJECTED["productive"]
 
 
 def test_a_killed_worker_is_restarted_from_the_last_checkpoint(straight, capfd):
     """SIGKILL to one worker process after the first checkpoint: Ray Train restarts the worker
     group (checkpoint.max_failures=1) from that checkpoint, and the run ends as if never hit."""
-    tmp_path, _ = straight
+    tmp_path, _, _ = straight
     pids = tmp_path / "pids"
     pids.mkdir()
     killed: list[int] = []
@@ -124,10 +155,13 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(straight, capfd):
     assert len(list(pids.iterdir())) == 4, killed  # two workers, then two new ones after the kill
     assert "resumed from" in capfd.readouterr().out
     assert_same_weights(tmp_path, "killed")
+    record = goodput(tmp_path / "results" / "killed")  # one command, two worker groups
+    assert [len(command["attempts"]) for command in record["commands"]] == [2]
+    assert record["categories"]["lost"] > 0 and record["categories"]["productive"] >= INJECTED["productive"]
 
 
 def test_a_signal_to_the_driver_checkpoints_stops_and_the_same_command_resumes(straight, capfd):
-    tmp_path, _ = straight
+    tmp_path, _, _ = straight
     run_dir = tmp_path / "results" / "signalled"
     thread = when_checkpointed(run_dir, 8, lambda: os.kill(os.getpid(), signal.SIGTERM))
     started = time.monotonic()

@@ -27,9 +27,7 @@ sys.meta_path.insert(0, Absent())
 
 
 def core_python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", BLOCK + code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    return subprocess.run([sys.executable, "-c", BLOCK + code], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_the_package_list_names_every_package_of_raytpu_and_jobs():

@@ -272,6 +272,10 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session
     after = objects(finished)
     changed = [p for p in after if before.get(p) != after[p] and "tfevents" not in p]
     assert not changed, changed
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(finished.uri("tensorboard")).Reload()  # TensorBoard reads s3:// (with boto3)
+    assert events.Scalars("train/loss"), events.Tags()
 
 
 def objects(folder) -> dict[str, tuple]:

@@ -34,6 +34,8 @@ class ToyConfig(JobConfig):
     oom_rank: int = -1  # only this rank runs out of memory (-1: every rank)
     fail_at_step: int = 0  # fault injection: a training step raises at this step (0 = never)
     constant_metric: float = -1.0  # evaluations report this mse (>= 0): a tie between checkpoints
+    item_sleep: float = 0.0  # seconds each sample takes to load (the loop waits for input)
+    checkpoint_sleep: float = 0.0  # seconds the model's state_dict takes (a slow checkpoint write)
 
 
 #: the out-of-memory errors a toy step raises, as each runtime raises them
@@ -57,13 +59,25 @@ OUT_OF_MEMORY: dict[str, tuple[type[Exception], str]] = {
 }
 
 
+class SlowStateSequential(nn.Sequential):
+    """The toy model, whose ``state_dict`` (a checkpoint's first step) takes ``pause`` seconds."""
+
+    def __init__(self, *layers: nn.Module, pause: float = 0.0) -> None:
+        super().__init__(*layers)
+        self.pause = pause
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self.pause)
+        return super().state_dict(*args, **kwargs)
+
+
 class ToyData(Dataset):
-    def __init__(self, samples: int, features: int, noise: float, seed: int) -> None:
+    def __init__(self, samples: int, features: int, noise: float, seed: int, pause: float = 0.0) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.x = torch.randn(samples, features, generator=generator)
         weight = torch.arange(1, features + 1, dtype=torch.float32) / features
         self.y = self.x @ weight + noise * torch.randn(samples, generator=generator)
-        self.epoch = 0
+        self.epoch, self.pause = 0, pause
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -72,6 +86,7 @@ class ToyData(Dataset):
         return len(self.x)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        time.sleep(self.pause)
         return {"x": self.x[index], "y": self.y[index : index + 1], "index": torch.tensor(index)}
 
 
@@ -83,12 +98,13 @@ class ToyJob(Job):
     aliases = {"--batch-size": "data.global_batch_size"}
 
     def build_model(self, cfg: Any) -> nn.Module:
-        return nn.Sequential(nn.Linear(cfg.job.features, 16), nn.Tanh(), nn.Dropout(cfg.job.dropout), nn.Linear(16, 1))
+        layers = (nn.Linear(cfg.job.features, 16), nn.Tanh(), nn.Dropout(cfg.job.dropout), nn.Linear(16, 1))
+        return SlowStateSequential(*layers, pause=cfg.job.checkpoint_sleep)
 
     def build_dataset(self, cfg: Any, split: str, data_root: Path) -> Dataset:
         seed = {"train": 0, "valid": 1, "test": 2}[split]
         samples = cfg.job.samples if split == "train" else 16
-        return ToyData(samples, cfg.job.features, cfg.job.noise, seed)
+        return ToyData(samples, cfg.job.features, cfg.job.noise, seed, cfg.job.item_sleep)
 
     def synthesize(self, out: Path, **options: Any) -> None:
         out.mkdir(parents=True, exist_ok=True)

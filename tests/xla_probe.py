@@ -27,8 +27,7 @@ import torch_xla.debug.metrics as met
 from raytpu.config import load_config
 from raytpu.driver.runs import resolve_data_root
 from raytpu.runtime import make_runtime
-from raytpu.worker.callbacks import Callback
-from raytpu.worker.loop import Trainer
+from raytpu.worker.loop import Callback, Trainer
 from raytpu.worker.reporting import FolderReporter
 
 

@@ -78,6 +78,7 @@ class Flag:
     switch: bool = False
     convert: Callable[[Any], list[tuple[str, Any]]] | None = None
     ignored: str = ""  # why the flag has no effect (printed as a warning)
+    text: bool = False  # the value as typed, not read as YAML (``--profile 3:5``: YAML 1.1 reads 185)
 
     def pairs(self, flag: str, value: Any) -> list[tuple[str, Any]]:
         if self.ignored:
@@ -126,7 +127,7 @@ def parse_overrides(items: list[str], aliases: Mapping[str, Alias]) -> list[tupl
                 index += 1
             if not value.strip():
                 raise ConfigError(f"flag {flag} has an empty value; write {flag}=VALUE")
-            pairs.extend(rule.pairs(flag, parse_value(value)))
+            pairs.extend(rule.pairs(flag, value if rule.text else parse_value(value)))
         elif "=" in item:
             key, value = item.split("=", 1)
             if not key.strip():

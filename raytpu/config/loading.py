@@ -20,13 +20,24 @@ from typing import Any
 import yaml
 
 from raytpu.compat.training_args import TRAINING_ARGUMENTS
-from raytpu.config.args import Alias, ConfigError, mapping_as_flags, parse_overrides
+from raytpu.config.args import Alias, ConfigError, Flag, mapping_as_flags, parse_overrides
 from raytpu.config.schema import Config
 from raytpu.config.validation import validate
 from raytpu.job import Job, JobConfig, load_job
 
+
+def profile_window(value: Any) -> list[tuple[str, Any]]:
+    """``--profile FIRST:LAST`` (or one step, ``--profile 5``): ``loop.profile_steps``."""
+    first, _, last = str(value).partition(":")
+    try:
+        return [("loop.profile_steps", [int(first), int(last or first)])]
+    except ValueError:
+        raise ConfigError(f"--profile {value}: give the steps to trace as FIRST:LAST, e.g. --profile 10:12") from None
+
+
 #: flags and short keys every job accepts: alias -> dotted key
 COMMON_ALIASES: dict[str, Alias] = {
+    "--profile": Flag(convert=profile_window, text=True),
     "runtime": "scaling.runtime",
     "num_workers": "scaling.num_workers",
     "precision": "scaling.precision",

@@ -51,6 +51,8 @@ class Plan:
     datasets: tuple[str, ...] = ()  # the Ray Datasets given to the TorchTrainer
     stop: str = ""  # where a stop request is read (``raytpu.driver.signals``); "" = never
     script: ScriptPlan | None = None
+    command: str = ""  # the id of the command that runs it (its part of the goodput record)
+    started: float = 0.0  # when that command started (seconds since the epoch)
 
     @property
     def run_dir(self) -> str:
@@ -139,5 +141,3 @@ def storage_of(cfg: Config) -> str:
     """``run.storage_path``: a bucket URI as it is, a local folder made absolute."""
     storage = cfg.run.storage_path
     return storage.rstrip("/") if is_remote(storage) else str(Path(storage).resolve())
-
-

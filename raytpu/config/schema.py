@@ -103,6 +103,8 @@ class LoopConfig:
     eval_every_steps: int = 0  # evaluate every that many steps instead (TrainingArguments' eval_steps)
     sync_batchnorm: str = "auto"  # auto | true | false: BatchNorm over the global batch (docs/configuration.md)
     stop_on_nonfinite: bool = True
+    profile_steps: list[int] = field(default_factory=list)  # [first, last]: trace these steps (from 1); [] = none
+    profile_ranks: list[int] = field(default_factory=lambda: [0])  # the ranks that trace them
     grad_norm_warn_high: float = 1e3
     grad_norm_warn_low: float = 1e-7
 

@@ -101,10 +101,20 @@ def validate(cfg: Config, job: Job | None = None) -> None:
         check_number(f"scaling.resources_per_worker.{name}", amount, (0, True))
     if cfg.xla.mesh.data == 0 or cfg.xla.mesh.fsdp == 0 or min(cfg.xla.mesh.data, cfg.xla.mesh.fsdp) < -1:
         raise ConfigError("xla.mesh.data and xla.mesh.fsdp must be at least 1, or -1 for the rest of the devices")
+    check_profile(cfg.loop.profile_steps, cfg.loop.profile_ranks, cfg.scaling.num_workers)
     if not cfg.data.per_device_train_batch_size:  # else checked once the runtime is known
         BatchPlan.of(cfg)
     if job is not None:
         job.check_config(cfg)
+
+
+def check_profile(steps: list[int], ranks: list[int], workers: int) -> None:
+    """``loop.profile_steps``: none, or ``[first, last]`` with 1 <= first <= last; ranks among the workers."""
+    if steps and (len(steps) != 2 or not all(isinstance(s, int) for s in steps) or not 1 <= steps[0] <= steps[1]):
+        raise ConfigError(f"loop.profile_steps must be [first, last] steps with 1 <= first <= last, got {steps}")
+    outside = [rank for rank in ranks if not isinstance(rank, int) or not 0 <= rank < workers]
+    if steps and outside:
+        raise ConfigError(f"loop.profile_ranks {outside} are not ranks of the {workers} worker(s)")
 
 
 def check_number(key: str, value: Any, lower: tuple[float, bool], upper: tuple[float, bool] | None = None) -> None:

@@ -49,9 +49,7 @@ def check_storage_location(storage: str, what: str) -> None:
 def check_bucket(location: str, what: str, timeout_s: float = BUCKET_TIMEOUT_S) -> None:
     code = "import sys; from raytpu.storage.filesystems import probe; probe(sys.argv[1])"
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", code, location], capture_output=True, text=True, timeout=timeout_s
-        )
+        done = subprocess.run([sys.executable, "-c", code, location], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise ConfigError(
             f"{what}={location}: no answer within {timeout_s:g} s (a store that does not answer, or no credentials "

@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +34,10 @@ from raytpu.job import Job, Synthesizes
 from raytpu.runtime.base import pick_runtime, resolve_precision
 from raytpu.storage.filesystems import join
 from raytpu.storage.run_folder import RunFolder
+from raytpu.worker import timing
 from raytpu.worker.batch_finder import recorded_text
 from raytpu.worker.reporting import FolderReporter, best_of, entry_of, read_report
+from raytpu.worker.timing import Command
 
 os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
 
@@ -226,16 +229,28 @@ def stage(plan: Plan) -> None:
 
 
 # ------------------------------------------------------------------ the commands
-def train(cfg: Config, job: Job, address: str | None = None, local: bool = False) -> RunSummary:
-    """Train through Ray (or, with ``local``, in local processes) and print where everything is."""
-    plan = plan_run(cfg, job, "train", address, local)
+def train(
+    cfg: Config, job: Job, address: str | None = None, local: bool = False, started: float | None = None
+) -> RunSummary:
+    """Train through Ray (or, with ``local``, in local processes) and print where everything is,
+    with the run's goodput. ``started``: when the command started (default: now)."""
+    command = Command(started=started or time.time())
+    plan = dataclasses.replace(plan_run(cfg, job, "train", address, local), command=command.id, started=command.started)
     stage(plan)
-    with StopOnSignal(local=local) as stop:
-        plan = dataclasses.replace(plan, stop=stop.spec)
-        summary = train_locally(plan, stop) if local else train_on_ray(plan)
-        summary = dataclasses.replace(summary, stopped_by=stop.stopped_by())
-    found = recorded_text(RunFolder(plan.run_dir), plan.batch.global_batch)
-    print("\n".join(summary.lines(found)), flush=True)
+    folder = RunFolder(plan.run_dir)
+    timing.begin(folder, command)
+    try:
+        with StopOnSignal(local=local) as stop:
+            plan = dataclasses.replace(plan, stop=stop.spec)
+            summary = train_locally(plan, stop) if local else train_on_ray(plan)
+            summary = dataclasses.replace(summary, stopped_by=stop.stopped_by())
+    except BaseException:
+        timing.end(folder, command, "failed")
+        raise
+    record = timing.end(folder, command, "stopped" if summary.stopped_by else "completed")
+    write_goodput_scalars(folder, record, summary.step or 0)
+    found = recorded_text(folder, plan.batch.global_batch)
+    print("\n".join([*summary.lines(found), f"goodput:           {timing.summary_line(record)}"]), flush=True)
     if summary.stopped_by:
         raise RunStopped(
             summary.stopped_by,
@@ -243,6 +258,17 @@ def train(cfg: Config, job: Job, address: str | None = None, local: bool = False
             "run the same command again to resume from there",
         )
     return summary
+
+
+def write_goodput_scalars(folder: RunFolder, record: dict[str, Any], step: int) -> None:
+    """The breakdown in TensorBoard (``goodput/fraction``, ``goodput/<category>_s``), at the last step."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(log_dir=str(folder.local("tensorboard"))) as writer:
+        writer.add_scalar("goodput/fraction", record["goodput"], step)
+        for name, seconds in record["categories"].items():
+            writer.add_scalar(f"goodput/{name}_s", seconds, step)
+    folder.sync("tensorboard")
 
 
 def train_on_ray(plan: Plan) -> RunSummary:

@@ -32,6 +32,8 @@ from raytpu.driver.search import Search, parse_search, searches_of
 from raytpu.job import Job
 from raytpu.storage.filesystems import join
 from raytpu.storage.run_folder import RunFolder
+from raytpu.worker import timing
+from raytpu.worker.timing import Command
 
 #: what a trial's driver reserves: no CPU (it only waits on its TorchTrainer, whose workers need
 #: the CPUs: with any CPU here, 2 workers x 1 CPU never fit a 2-CPU machine) and 1 MiB of memory,
@@ -84,10 +86,19 @@ def run_trial(values: dict[str, Any], base: dict[str, Any], sweep_plan: dict[str
     from raytpu.driver.ray_trainer import build_trainer
     from raytpu.driver.runs import stage
 
+    command = Command()  # the trial: its goodput counts from its own start
     trial_id = tune.get_context().get_trial_id()
     plan = trial_plan(from_dict(base)[0], Plan.from_dict(sweep_plan), values, trial_id, runs_dir)
+    plan = dataclasses.replace(plan, command=command.id, started=command.started)
     stage(plan)
-    build_trainer(plan, callbacks=[TuneReportCallback()]).fit()
+    folder = RunFolder(plan.run_dir)
+    timing.begin(folder, command)
+    outcome = "failed"
+    try:
+        build_trainer(plan, callbacks=[TuneReportCallback()]).fit()
+        outcome = "completed"
+    finally:
+        timing.end(folder, command, outcome)
 
 
 def trial_plan(base: Config, sweep: Plan, values: dict[str, Any], trial_id: str, runs_dir: str) -> Plan:
@@ -167,7 +178,7 @@ class Sweep:
     @property
     def columns(self) -> list[str]:
         scaled = ["lr (scaled)"] if self.cfg.tune.lr_scaling != "none" else []
-        return ["trial", *(s.key for s in self.searches), *scaled, self.metric, "reports", "status"]
+        return ["trial", *(s.key for s in self.searches), *scaled, self.metric, "goodput", "reports", "status"]
 
     def row(self, trial_id: str, values: dict[str, Any], metrics: dict[str, Any] | None, status: str) -> dict:
         metrics = metrics or {}
@@ -175,6 +186,7 @@ class Sweep:
         if status == "TERMINATED":
             status = "done" if reports is not None and reports >= self.max_t else "stopped early"
         row = {"trial": trial_id, **values, self.metric: metrics.get(self.metric), "reports": reports}
+        row["goodput"] = f"{metrics['goodput']:.0%}" if isinstance(metrics.get("goodput"), float) else None
         row["status"] = status.lower()
         if self.cfg.tune.lr_scaling != "none":
             row["lr (scaled)"] = trial_config(self.cfg, values).optim.lr

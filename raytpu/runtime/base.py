@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -251,8 +252,41 @@ class Runtime:
         """Backend counters worth logging (XLA compiles...)."""
         return {}
 
+    def compile_seconds(self) -> float | None:
+        """Seconds spent compiling so far, where a compiler says it (XLA); None elsewhere."""
+        return None
+
+    # ------------------------------------------------------------ profiling
+    def profiler(self, directory: Path) -> Any:
+        """A profiler of this worker (``start()`` / ``stop()``) that writes its trace under ``directory``:
+        ``torch.profiler``'s Chrome trace (Perfetto and TensorBoard's PyTorch profiler plugin open it)."""
+        return TorchTrace(directory, self.rank, cuda=self.device.type == "cuda")
+
+    def step_trace(self, step: int) -> contextlib.AbstractContextManager:
+        """Marks one training step in a trace (a range named ``raytpu step N``)."""
+        return torch.profiler.record_function(f"raytpu step {step}")
+
     def finish(self) -> None:
         """End of training: print reports, release resources."""
+
+
+class TorchTrace:
+    """``torch.profiler`` over a window of steps; the trace as ``<directory>/rank_<r>.pt.trace.json``."""
+
+    def __init__(self, directory: Path, rank: int, cuda: bool) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+        self.path = Path(directory) / f"rank_{rank}.pt.trace.json"
+        self.profile = profile(activities=activities, record_shapes=True)
+
+    def start(self) -> None:
+        self.profile.start()
+
+    def stop(self) -> None:
+        self.profile.stop()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.profile.export_chrome_trace(str(self.path))
 
 
 def clip_or_measure(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

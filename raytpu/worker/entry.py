@@ -27,6 +27,7 @@ from raytpu.storage.run_folder import RunFolder
 from raytpu.worker.batch_finder import EXIT_BATCH_REDUCED, BatchReduced, fit_finding_batch
 from raytpu.worker.checkpoint import save_json
 from raytpu.worker.reporting import FolderReporter, RayReporter, Reporter
+from raytpu.worker.timing import Command
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,10 @@ def run(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | N
     xla = with_compile_cache(cfg, plan.run_dir).xla
     runtime = make_runtime(cfg.scaling.runtime, cfg.scaling.precision, seat.world, seat.rank, seat.local_rank, xla)
 
+    command = Command(plan.command, plan.started) if plan.command else None
+
     def trainer(cfg: Config) -> Trainer:
-        return Trainer(cfg, job, runtime, plan.run_dir, Path(plan.data_root), reporter, datasets)
+        return Trainer(cfg, job, runtime, plan.run_dir, Path(plan.data_root), reporter, datasets, command=command)
 
     if plan.mode == "train":
         fit_finding_batch(cfg, runtime, RunFolder(plan.run_dir), lambda cfg: trainer(cfg).fit())

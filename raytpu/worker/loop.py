@@ -4,7 +4,7 @@
 runtime (``raytpu.runtime``) moves tensors, reduces gradients and compiles; the worker data
 (``raytpu.worker.data``) yields batches; the checkpointer (``raytpu.worker.checkpoint``) saves and restores;
 the reporter sends reports where the run is watched (Ray Train, or a local folder); callbacks
-(``raytpu.worker.callbacks``) observe. Per step there is exactly one device sync; everything logged is
+(:class:`Callback`) observe. Per step there is exactly one device sync; everything logged is
 read in a step closure, after the step's graph ran, so nothing in the step waits on the host.
 """
 
@@ -38,18 +38,40 @@ from raytpu.job import (
 from raytpu.runtime.base import Runtime
 from raytpu.storage.run_folder import RunFolder
 from raytpu.worker import checkpoint as ckpt
+from raytpu.worker import timing
 from raytpu.worker.cadence import Cadence, Scoreboard
-from raytpu.worker.callbacks import Callback
 from raytpu.worker.checkpoint import Checkpointer, Progress, TrainState
 from raytpu.worker.data import WorkerData, make_worker_data
 from raytpu.worker.flops import perf_scalars
 from raytpu.worker.logger import RunLogger, watch_grad_norm
 from raytpu.worker.optim import EMA, EMASchedule, build_optimizer, build_scheduler
 from raytpu.worker.reporting import Reporter
+from raytpu.worker.timing import Command, ProfileWindow, StepClock
 
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+class Callback:
+    """Hooks into a running loop, for tests, benchmarks and features that watch a run without
+    reaching into the trainer. Every method is optional; the trainer passes itself, whose public
+    attributes (``progress``, ``model``, ``runtime``, ``cfg``) a callback may read."""
+
+    def on_step_start(self, trainer: Any, step: int) -> None:
+        """Before optimizer step ``step`` (counted from 1) is traced or run."""
+
+    def on_step_end(self, trainer: Any, step: int) -> None:
+        """After step ``step``'s graph ran (and its log closures), before any eval or checkpoint."""
+
+    def on_log(self, trainer: Any, step: int, values: dict[str, float]) -> None:
+        """Every ``loop.log_every`` steps: the values read back from the device (``loss``, ``grad_norm`` ...)."""
+
+    def on_eval(self, trainer: Any, split: str, metrics: dict[str, float]) -> None:
+        """After an evaluation of ``split``, with its metrics reduced over the workers."""
+
+    def on_checkpoint(self, trainer: Any, report: dict[str, Any]) -> None:
+        """After a checkpoint was written and reported, with what the report carried."""
 
 
 class Trainer:
@@ -63,8 +85,11 @@ class Trainer:
         reporter: Reporter,
         datasets: dict[str, Any] | None = None,
         callbacks: Sequence[Callback] = (),
+        command: Command | None = None,
     ) -> None:
-        """``datasets``: split -> Ray ``DataIterator``, read when ``data.loader`` is ``ray``."""
+        """``datasets``: split -> Ray ``DataIterator``, read when ``data.loader`` is ``ray``.
+        ``command``: the command this attempt belongs to, whose driver keeps the goodput record; an
+        in-process trainer without one is a command of its own (it starts and ends the record)."""
         self.cfg, self.job, self.runtime = cfg, job, runtime
         self.folder = RunFolder(run_dir)  # a local folder or a bucket prefix
         self.data_root, self.reporter = data_root, reporter
@@ -87,6 +112,12 @@ class Trainer:
         self.flops_per_sample: float | None = None
         self.tokens_per_sample: int | None = None
         self.peak_flops: float | None = None
+        self.own_command = command is None
+        self.command = command or Command()
+        self.clock = StepClock(self.folder if runtime.is_main else None, self.command, runtime.compile_seconds)
+        steps, ranks = cfg.loop.profile_steps, cfg.loop.profile_ranks
+        traced = bool(steps) and runtime.rank in ranks
+        self.profile = ProfileWindow(runtime, self.folder.local("profile"), *steps) if traced else None
 
     # ------------------------------------------------------------ build
     def _seed(self) -> None:
@@ -166,17 +197,24 @@ class Trainer:
             self.progress.step,
         )
         self.logger.config(dump_yaml(cfg), self.progress.step)
+        if self.own_command and self.runtime.is_main:
+            timing.begin(self.folder, self.command)
+        outcome = "failed"
         try:
             if self.progress.step >= self.total_steps:
                 self._message(f"run already complete at step {self.progress.step}; nothing to do")
                 return self._report_final_again()
             metrics = self._train()
+            self.clock.record(final=True)
+            outcome = "completed"
             if cfg.logging.hparams:
                 self.logger.hyperparameters(to_dict(cfg), [f"valid/{self.job.main_metric}", "train/loss"])
             return metrics
         finally:
             self.runtime.finish()
             self.logger.close()
+            if self.own_command and self.runtime.is_main:
+                timing.end(self.folder, self.command, outcome)
 
     def _train(self) -> dict[str, float]:
         p = self.progress
@@ -218,9 +256,13 @@ class Trainer:
         p, cfg, rt = self.progress, self.cfg, self.runtime
         for callback in self.callbacks:
             callback.on_step_start(self, p.step + 1)
+        if self.profile is not None:
+            self.profile.before(p.step + 1)
+        self.clock.step_started()
         rt.begin_step()
         ctx = StepContext(epoch=p.epoch, step=p.step, training=True, config=cfg)
-        with rt.compiled_step():
+        traced = rt.step_trace(p.step + 1) if self.profile is not None else contextlib.nullcontext()
+        with traced, rt.compiled_step():
             self._forward_backward_update(batches, ctx)
         p.step += 1
         if p.step % cfg.loop.log_every == 0 or p.step == self.total_steps:
@@ -231,6 +273,11 @@ class Trainer:
         warning = rt.end_step(p.step, steps_into_epoch)
         if warning:
             self._message(f"warning: {warning}")
+        self.clock.step_ended()
+        if self.profile is not None:
+            self.profile.after(p.step)
+            if self.profile.profiler is None:
+                self.folder.sync("profile")  # the trace, into the bucket when the run is there
         for callback in self.callbacks:
             callback.on_step_end(self, p.step)
 
@@ -240,7 +287,8 @@ class Trainer:
         accum = cfg.loop.grad_accum
         loss_sum = None
         for micro in range(accum):
-            batch = next(batches)
+            with self.clock.phase("input"):
+                batch = next(batches)
             with rt.no_sync(self.model, skip=micro < accum - 1), rt.autocast():
                 loss, extra = self.job.train_step(self.model, batch, ctx)
             rt.backward(loss / accum if accum > 1 else loss)
@@ -308,9 +356,13 @@ class Trainer:
         """The epoch whose training produced the current weights (0 before any step)."""
         return max(self.progress.step - 1, 0) // max(self.steps_per_epoch, 1)
 
-    @torch.no_grad()
     def evaluate(self, split: str = "valid") -> dict[str, float]:
         """The job's metrics on ``split``, summed over batches and workers."""
+        with self.clock.phase("evaluation"):
+            return self._evaluate(split)
+
+    @torch.no_grad()
+    def _evaluate(self, split: str) -> dict[str, float]:
         model, rt = self.eval_model(), self.runtime
         rt.broadcast_buffers(model)
         model.eval()
@@ -350,13 +402,18 @@ class Trainer:
 
     # ------------------------------------------------------ checkpoint
     def _checkpoint(self, metrics: dict[str, float], reason: str = "scheduled") -> None:
+        with self.clock.phase("checkpointing"):
+            self._write_checkpoint(metrics, reason)
+        self.clock.record()
+
+    def _write_checkpoint(self, metrics: dict[str, float], reason: str) -> None:
         board, p = self.scoreboard, self.progress
         scored = board.counts_for_best(metrics, self.weights_epoch())
         if scored:
             board.update_best(p, metrics)
         metrics = {**metrics, **board.train_loss()}
         p.reports += 1
-        report = board.values(p, metrics, scored)
+        report = {**board.values(p, metrics, scored), "goodput": self.clock.goodput()}
         directory = Path(tempfile.mkdtemp(prefix="raytpu-ckpt-"))  # the reporter's once reported
         try:
             self.checkpointer.save(directory, self.state, p, metrics, reason)

@@ -1,0 +1,108 @@
+"""Where a run's time goes: the goodput breakdown's arithmetic, a run with known delays injected in
+each phase (in-process here; on 2 Ray workers and across a failure and a resume in
+tests/test_faults.py), and traces of a window of steps on the cpu runtime (on XLA: tests/test_xla.py)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from raytpu.config import ConfigError, load_config
+from raytpu.runtime import make_runtime
+from raytpu.worker import timing
+from raytpu.worker.loop import Trainer
+from raytpu.worker.reporting import FolderReporter
+
+#: 64 samples, 8 a step: 8 steps an epoch, 2 epochs, a checkpoint (and an eval) at each epoch end
+BASE = ["job.name=tests.toy_job", "data.global_batch_size=8", "loop.epochs=2", "loop.log_every=4",
+        "logging.progress_bar=false"]  # fmt: skip
+#: the delays each category must show: 16 steps x 0.05 s of step; 16 x 8 samples x 4 ms of loading
+#: (the valid split's 16 samples are loaded by evaluations); 2 checkpoints x 0.25 s of writing
+DELAYS = ["job.step_sleep=0.05", "job.item_sleep=0.004", "job.checkpoint_sleep=0.25"]
+INJECTED = {"productive": 16 * 0.05, "input": 16 * 8 * 0.004, "checkpointing": 2 * 0.25}
+
+
+def breakdown_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / timing.RECORD).read_text())
+
+
+def assert_delays_land_in_their_categories(record: dict, injected: dict[str, float]) -> None:
+    categories = record["categories"]
+    for name, seconds in injected.items():
+        assert seconds <= categories[name] <= 1.1 * seconds + 0.02, (name, categories)
+    assert sum(categories.values()) == pytest.approx(record["wall_s"], rel=1e-9)
+    assert record["goodput"] == pytest.approx(categories["productive"] / record["wall_s"])
+
+
+def test_commands_and_attempts_add_up_to_the_wall_time_with_restarts_lost():
+    """Two commands: the first one's worker group restarts once (after its checkpoint at t=30 the
+    group died; the new one trains from t=40) and it then fails (its last record at 70, its end at
+    75: lost); the second resumes and completes (its end after its last record: shutdown)."""
+
+    def attempt(first: float, recorded: float, final: bool, **seconds: float) -> dict:
+        phases = {"input": 0.0, "evaluation": 0.0, "checkpointing": 0.0, "compilation": 0.0, **seconds}
+        return {"id": str(first), "first_step": first, "recorded": recorded, "final": final, "seconds": phases}
+
+    record = {
+        "commands": [
+            {"id": "a", "started": 0.0, "ended": 75.0, "outcome": "failed",
+             "attempts": [attempt(10, 30, False, input=2, compilation=3), attempt(40, 70, False, checkpointing=1)]},
+            {"id": "b", "started": 100.0, "ended": 130.0, "outcome": "completed",
+             "attempts": [attempt(105, 125, True, evaluation=4)]},
+        ]
+    }  # fmt: skip
+    result = timing.breakdown(record)
+    categories = result["categories"]
+    assert categories == {"startup": 15.0, "compilation": 3.0, "productive": 15 + 29 + 16, "input": 2.0,
+                          "evaluation": 4.0, "checkpointing": 1.0, "lost": 10 + 5, "shutdown": 5.0}  # fmt: skip
+    assert result["wall_s"] == 75 + 30 and result["goodput"] == pytest.approx(60 / 105)
+    assert timing.summary_line({**record, **result}).startswith("57.1% of 105.0 s (startup 15.0 s, compilation 3.0")
+
+
+def test_in_process_delays_land_in_their_categories_and_add_up_to_the_wall_time(tmp_path):
+    cfg, job = load_config(None, [*BASE, *DELAYS])
+    started = time.time()
+    Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), tmp_path, tmp_path, FolderReporter(tmp_path)).fit()
+    wall = time.time() - started
+    record = breakdown_of(tmp_path)
+    assert_delays_land_in_their_categories(record, INJECTED)
+    assert record["wall_s"] == pytest.approx(wall, rel=0.02)
+    assert record["commands"][0]["outcome"] == "completed" and len(record["commands"][0]["attempts"]) == 1
+
+
+def test_a_profile_traces_exactly_the_chosen_steps_with_the_model_s_ops(tmp_path):
+    cfg, job = load_config(None, [*BASE, "--profile", "3:5"])
+    assert cfg.loop.profile_steps == [3, 5]
+    Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), tmp_path, tmp_path, FolderReporter(tmp_path)).fit()
+    trace = json.loads((tmp_path / "profile" / "rank_0.pt.trace.json").read_text())
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert {name for name in names if name.startswith("raytpu step ")} == {"raytpu step 3", "raytpu step 4",
+                                                                           "raytpu step 5"}  # fmt: skip
+    assert "aten::addmm" in names and "aten::tanh" in names  # the toy model's Linear and Tanh
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        (["--profile", "5:3"], "loop.profile_steps must be [first, last] steps with 1 <= first <= last"),
+        (["--profile", "x"], "--profile x: give the steps to trace as FIRST:LAST"),
+        (["loop.profile_steps=[1,2]", "loop.profile_ranks=[3]"], "loop.profile_ranks [3] are not ranks of the 1"),
+    ],
+)
+def test_a_profile_window_that_cannot_be_is_one_line(flag, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_config(None, [*BASE, *flag])
+
+
+def xla_traces(run_dir: str) -> list[str]:
+    """The files torch_xla's profiler wrote (an XSpace and a Chrome trace per capture)."""
+    return sorted(p.name.split(".", 1)[1] for p in Path(run_dir, "profile").rglob("*") if p.is_file())
+
+
+def read_gzipped_json(path: Path) -> dict:
+    with gzip.open(path) as handle:
+        return json.load(handle)
