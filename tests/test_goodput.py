@@ -4,7 +4,6 @@ tests/test_faults.py), and traces of a window of steps on the cpu runtime (on XL
 
 from __future__ import annotations
 
-import gzip
 import json
 import time
 from pathlib import Path
@@ -96,13 +95,3 @@ def test_a_profile_traces_exactly_the_chosen_steps_with_the_model_s_ops(tmp_path
 def test_a_profile_window_that_cannot_be_is_one_line(flag, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_config(None, [*BASE, *flag])
-
-
-def xla_traces(run_dir: str) -> list[str]:
-    """The files torch_xla's profiler wrote (an XSpace and a Chrome trace per capture)."""
-    return sorted(p.name.split(".", 1)[1] for p in Path(run_dir, "profile").rglob("*") if p.is_file())
-
-
-def read_gzipped_json(path: Path) -> dict:
-    with gzip.open(path) as handle:
-        return json.load(handle)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+from pathlib import Path
 
 import pytest
 
@@ -78,11 +80,16 @@ MESHES = {"single": 1, "dp4": 4, "fsdp4": 4}
 LOSS_RTOL = 3e-2
 
 
+#: the single-device run traces these steps with torch_xla's profiler (after the warm-up steps: the
+#: compile check shows that tracing them compiles nothing)
+PROFILED = (4, 5)
+
+
 @pytest.fixture(scope="module")
 def runs(data, ray_session):
     """Each run's report: the single-device probe and the 4-device one side by side; a run with
     ``data.loader=ray`` reads through the session's Ray instance."""
-    single = XlaProbe(1, mshnet(data / "mshnet", "xla.spmd=false"))
+    single = XlaProbe(1, mshnet(data / "mshnet", "xla.spmd=false", f"loop.profile_steps=[{PROFILED[0]},{PROFILED[1]}]"))
     spmd = XlaProbe(
         4,
         mshnet(data / "mshnet", "xla.spmd=true"),
@@ -161,3 +168,22 @@ def test_cdeit_sampler_compiles_one_graph_for_all_test_batches(tmp_path):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["compiles_per_pass"] == [1, 0], report
     assert report["rmse"] == report["rmse"]
+
+
+def test_a_profile_window_on_the_xla_cpu_device_writes_a_trace_tensorboard_and_perfetto_open(runs):
+    """torch_xla's profiler traces the CPU PJRT device: an XSpace for TensorBoard's profile plugin and
+    a Chrome trace for Perfetto, under the run's profile/, with the host-side marks of exactly the
+    chosen steps; the goodput's compilation is torch_xla's own compile time."""
+    run_dir = Path(runs["single"]["run_dir"])
+    files = [p for p in (run_dir / "profile" / "plugins" / "profile").rglob("*") if p.is_file()]
+    assert {p.name.split(".", 1)[1] for p in files} == {"xplane.pb", "trace.json.gz"}, files
+    trace = read_gzipped_json(next(p for p in files if p.name.endswith(".trace.json.gz")))
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert {name for name in names if name.startswith("raytpu step ")} == {f"raytpu step {s}" for s in (4, 5)}
+    goodput = json.loads((run_dir / "goodput.json").read_text())
+    assert goodput["categories"]["compilation"] > 0.5, goodput  # MSHNet's step graphs: seconds to compile
+
+
+def read_gzipped_json(path: Path) -> dict:
+    with gzip.open(path) as handle:
+        return json.load(handle)

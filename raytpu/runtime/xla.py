@@ -286,9 +286,11 @@ class XLARuntime(Runtime):
         return XlaTrace(directory)
 
     def step_trace(self, step: int) -> Any:
-        import torch_xla.debug.profiler as xp
+        """A host-side mark only: ``xp.Trace`` would also scope the step's IR, which the step's
+        ``sync`` refuses to cut (and which would name the graph's ops differently in the window)."""
+        import torch_xla
 
-        return xp.Trace(f"raytpu step {step}")
+        return torch_xla._XLAC.profiler.TraceMe(f"raytpu step {step}")
 
     def finish(self) -> None:
         if self.options is not None and self.options.debug_metrics and self.is_main:

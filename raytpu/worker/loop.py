@@ -261,7 +261,8 @@ class Trainer:
         self.clock.step_started()
         rt.begin_step()
         ctx = StepContext(epoch=p.epoch, step=p.step, training=True, config=cfg)
-        traced = rt.step_trace(p.step + 1) if self.profile is not None else contextlib.nullcontext()
+        tracing = self.profile is not None and self.profile.tracing
+        traced = rt.step_trace(p.step + 1) if tracing else contextlib.nullcontext()
         with traced, rt.compiled_step():
             self._forward_backward_update(batches, ctx)
         p.step += 1
@@ -274,10 +275,8 @@ class Trainer:
         if warning:
             self._message(f"warning: {warning}")
         self.clock.step_ended()
-        if self.profile is not None:
-            self.profile.after(p.step)
-            if self.profile.profiler is None:
-                self.folder.sync("profile")  # the trace, into the bucket when the run is there
+        if self.profile is not None and self.profile.after(p.step):
+            self.folder.sync("profile")  # the trace, into the bucket when the run is there
         for callback in self.callbacks:
             callback.on_step_end(self, p.step)
 

@@ -67,36 +67,46 @@ class StepClock:
         self.seconds = dict.fromkeys((*PHASES, "compilation"), 0.0)
         self.step_times: list[float] = []
         self._step_start = 0.0
-        self._compile_mark = self._compile_seconds()
+        self._compiled_seen = self._compile_seconds()
 
     def _compile_seconds(self) -> float:
         return float(self.compiled() or 0.0) if self.compiled is not None else 0.0
+
+    def _compiled_since(self) -> float:
+        """Compile seconds since the last call (a counter that went back was cleared: all of it is new)."""
+        now = self._compile_seconds()
+        since = now - self._compiled_seen if now >= self._compiled_seen else now
+        self._compiled_seen = now
+        return since
 
     def step_started(self) -> None:
         now = time.time()
         if self.first_step is None:
             self.first_step = now
-            self._compile_mark = self._compile_seconds()
+        self._compiled_since()  # compiles between steps belong to what ran there (set-up, a phase)
         self._step_start = now
 
     def step_ended(self) -> None:
         self.step_times.append(time.time() - self._step_start)
+        self.seconds["compilation"] += self._compiled_since()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time a phase of the loop; compiles inside it belong to it, not to ``compilation``."""
-        started, compiled = time.time(), self._compile_seconds()
+        started, compiled = time.time(), self._compiled_since()
+        if self.first_step is not None:  # the step's, before an input wait in it
+            self.seconds["compilation"] += compiled
         try:
             yield
         finally:
+            self._compiled_since()
             if self.first_step is not None:
                 self.seconds[name] += time.time() - started
-                self._compile_mark += self._compile_seconds() - compiled
 
     def compilation(self) -> float:
         """Compile time of the training steps: torch_xla's count, or the warm steps' excess."""
         if self.compiled is not None:
-            return max(self._compile_seconds() - self._compile_mark, 0.0)
+            return self.seconds["compilation"]
         steady = self.step_times[WARM_STEPS : WARM_STEPS + 20]
         if not steady:
             return 0.0
@@ -224,12 +234,19 @@ class ProfileWindow:
         self.runtime, self.directory, self.first, self.last = runtime, directory, first, last
         self.profiler: Any = None
 
+    @property
+    def tracing(self) -> bool:
+        return self.profiler is not None
+
     def before(self, step: int) -> None:
         if step == self.first:
             self.profiler = self.runtime.profiler(self.directory)
             self.profiler.start()
 
-    def after(self, step: int) -> None:
-        if step >= self.last and self.profiler is not None:
-            self.profiler.stop()
-            self.profiler = None
+    def after(self, step: int) -> bool:
+        """Stop after the window's last step; True when this call wrote the trace."""
+        if step < self.last or self.profiler is None:
+            return False
+        self.profiler.stop()
+        self.profiler = None
+        return True
