@@ -116,3 +116,9 @@ def tensorboard_hparams(log_dir: Path) -> tuple[dict[str, object], list[str]]:
     values = {key: getattr(value, value.WhichOneof("kind")) for key, value in start.items()}
     metrics = [info.name.tag for info in content["_hparams_/experiment"].experiment.metric_infos]
     return values, metrics
+
+
+def traced_steps(trace_file: Path) -> tuple[set[str], set[str]]:
+    """The step marks in a Chrome trace, and all its event names."""
+    names = {event.get("name", "") for event in json.loads(trace_file.read_text())["traceEvents"]}
+    return {name for name in names if name.startswith("raytpu step ")}, names

@@ -9,12 +9,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from raytpu.config import ConfigError, load_config
 from raytpu.runtime import make_runtime
 from raytpu.worker import timing
 from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter
+from tests.conftest import run_python, traced_steps
 
 #: 64 samples, 8 a step: 8 steps an epoch, 2 epochs, a checkpoint (and an eval) at each epoch end
 BASE = ["job.name=tests.toy_job", "data.global_batch_size=8", "loop.epochs=2", "loop.log_every=4",
@@ -77,10 +79,8 @@ def test_a_profile_traces_exactly_the_chosen_steps_with_the_model_s_ops(tmp_path
     cfg, job = load_config(None, [*BASE, "--profile", "3:5"])
     assert cfg.loop.profile_steps == [3, 5]
     Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), tmp_path, tmp_path, FolderReporter(tmp_path)).fit()
-    trace = json.loads((tmp_path / "profile" / "rank_0.pt.trace.json").read_text())
-    names = {event.get("name", "") for event in trace["traceEvents"]}
-    assert {name for name in names if name.startswith("raytpu step ")} == {"raytpu step 3", "raytpu step 4",
-                                                                           "raytpu step 5"}  # fmt: skip
+    marks, names = traced_steps(tmp_path / "profile" / "rank_0.pt.trace.json")
+    assert marks == {"raytpu step 3", "raytpu step 4", "raytpu step 5"}
     assert "aten::addmm" in names and "aten::tanh" in names  # the toy model's Linear and Tanh
 
 
@@ -95,3 +95,52 @@ def test_a_profile_traces_exactly_the_chosen_steps_with_the_model_s_ops(tmp_path
 def test_a_profile_window_that_cannot_be_is_one_line(flag, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_config(None, [*BASE, *flag])
+
+
+#: a script's loop under Accelerate with the launch's profile hooked in: 8 micro-batches, 2 accumulated
+ACCUMULATING_SCRIPT = """
+import sys
+import torch
+from accelerate import Accelerator
+from raytpu.compat.script_profile import ScriptProfile
+
+profile = ScriptProfile("cpu", sys.argv[1], 0, (2, 3), done=lambda: print("written"))
+profile.install()
+accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for _ in range(8):
+    with accelerator.accumulate(model):
+        accelerator.backward(model(torch.randn(2, 4)).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+profile.remove()
+print("steps", profile.steps)
+"""
+
+
+def test_a_launched_script_s_optimizer_steps_are_the_profile_s_steps_accumulation_counting_once(tmp_path):
+    """``raytpu launch --profile 2:3`` counts what Accelerate steps: 8 micro-batches accumulated 2 at
+    a time are 4 optimizer steps; the window holds steps 2 and 3, the script's ops in them. (In its
+    own process: Accelerate picks XLA at import unless USE_TORCH_XLA=0, as ``raytpu launch`` sets.)"""
+    script = tmp_path / "script.py"
+    script.write_text(ACCUMULATING_SCRIPT)
+    done = run_python([str(script), str(tmp_path)], {"USE_TORCH_XLA": "0"}, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["written", "steps", "4"]
+    marks, names = traced_steps(tmp_path / "rank_0.pt.trace.json")
+    assert marks == {"raytpu step 2", "raytpu step 3"}
+    assert "aten::tanh" in names
+
+
+def test_a_profile_window_the_script_never_reaches_says_so(tmp_path, capsys):
+    from raytpu.compat.script_profile import ScriptProfile
+
+    profile = ScriptProfile("cpu", tmp_path, 0, (5, 6), done=lambda: None)
+    profile.install()
+    torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1).step()
+    profile.remove()
+    assert capsys.readouterr().err.strip() == (
+        "raytpu: warning: --profile 5:6: the script made 1 optimizer step(s) in this process; nothing was traced"
+    )
+    assert not list(tmp_path.iterdir())

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from raytpu import cli
-from tests.conftest import ROOT
+from tests.conftest import ROOT, traced_steps
 
 EXAMPLE = str(ROOT / "examples" / "accelerate" / "train.py")
 ACCELERATE_SCRIPTS = Path(accelerate.__file__).parent / "test_utils" / "scripts"
@@ -182,8 +182,8 @@ def test_the_example_on_two_workers_equals_one_process_and_its_states_are_ray_ch
     assert single.returncode == 0, single.stderr[-3000:]
     keep = tmp_path / "keep.yaml"  # every state kept, to see each one's name
     keep.write_text("checkpoint: {num_to_keep: 10}\n")
-    argv = ["--config", str(keep), "--num_processes", "2", EXAMPLE, *common, "--results-dir", str(tmp_path / "two")]
-    code = launch(tmp_path, "example", *argv)
+    argv = ["--config", str(keep), "--num_processes", "2", "--profile", "3:4", EXAMPLE, *common]
+    code = launch(tmp_path, "example", *argv, "--results-dir", str(tmp_path / "two"))
     logs = [log_of(tmp_path, "example", rank) for rank in (0, 1)]
     assert code == 0, logs[0][-3000:]
     assert "DistributedType.MULTI_CPU, 2 process(es)" in logs[0]
@@ -198,6 +198,9 @@ def test_the_example_on_two_workers_equals_one_process_and_its_states_are_ray_ch
     assert first == [f"state_{n:06d}" for n in (1, 2, 3, 4)], first  # 64 steps, a state every 16
     assert all((run_dir / name / "model.safetensors").is_file() for name in first)
     assert snapshot_names(run_dir) == first
+    marks, names = traced_steps(run_dir / "profile" / "rank_0.pt.trace.json")  # --profile 3:4, rank 0 only
+    assert marks == {"raytpu step 3", "raytpu step 4"} and "aten::addmm" in names
+    assert [p.name for p in (run_dir / "profile").iterdir()] == ["rank_0.pt.trace.json"]
 
     # the same --name again, one epoch further: it resumes from the newest state, and its states
     # are numbered after the first run's, which are all still there
@@ -273,9 +276,11 @@ def test_the_example_on_the_xla_cpu_device_computes_in_bf16(ray_session, tmp_pat
     an fp16 request becomes bf16 (the flag, and the script's own Accelerator(mixed_precision="fp16")),
     each seen in the dtype the forward pass computes in."""
     argv = ["--runtime", "xla", EXAMPLE, "--epochs", "1", "--samples", "256"]
-    assert launch(tmp_path, "xla-auto", *argv, "--results-dir", str(tmp_path / "a")) == 0
+    assert launch(tmp_path, "xla-auto", "--profile", "2:3", *argv, "--results-dir", str(tmp_path / "a")) == 0
     log = log_of(tmp_path, "xla-auto")
     assert "DistributedType.XLA, 1 process(es)" in log and "forward dtype torch.bfloat16" in log, log[-2000:]
+    traces = [p.name.split(".", 1)[1] for p in (tmp_path / "runs" / "xla-auto" / "profile").rglob("*.*")]
+    assert sorted(traces) == ["trace.json.gz", "xplane.pb"], traces  # torch_xla's profiler, on the CPU device
     assert launch(tmp_path, "xla-fp16", "--mixed_precision", "fp16", *argv, "--results-dir", str(tmp_path / "b")) == 0
     assert "forward dtype torch.bfloat16" in log_of(tmp_path, "xla-fp16")
     own = tmp_path / "own_fp16.py"

@@ -21,8 +21,9 @@ from typing import Any
 
 from raytpu.compat.script_runner import RESUME_ENV, STATE_ENV, last_state_number, report
 from raytpu.config import CheckpointConfig, Config, RunConfig, ScalingConfig, build_dataclass, with_values
+from raytpu.config.loading import profile_window
 from raytpu.config.plan import Plan, ScriptPlan, storage_of
-from raytpu.config.validation import check_number
+from raytpu.config.validation import check_number, check_profile
 from raytpu.errors import ConfigError, RunFailed
 from raytpu.runtime.base import resolve_precision
 from raytpu.storage.filesystems import join
@@ -50,6 +51,9 @@ def add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--storage-path", help="where runs are kept (default ./results)")
     launch.add_argument("--cpus-per-worker", type=float, help="CPUs each process reserves (default 1)")
     launch.add_argument("--config", help="YAML with scaling:, run: and checkpoint: sections (as raytpu train)")
+    launch.add_argument(
+        "--profile", help="trace the script's optimizer steps FIRST:LAST on rank 0 (into <run>/profile)"
+    )
     launch.add_argument("--verbose", action="store_true", help="show Ray's own log lines too")
     launch.add_argument("script", help="the training script, e.g. examples/accelerate/train.py")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments, untouched")
@@ -98,6 +102,8 @@ def settings_from(args: Any) -> LaunchSettings:
     if args.tpu_accelerator_type:  # Accelerate has no SPMD mode: one process per chip
         values.update({"scaling.tpu.accelerator_type": args.tpu_accelerator_type, "scaling.tpu.layout": "multiprocess"})
         values["scaling.tpu.topology"] = args.tpu_topology or ""
+    if args.profile is not None:
+        values.update(profile_window(args.profile))
     values["logging.verbose"] = bool(args.verbose)
     if not (values.get("run.name") or cfg.run.name):
         values["run.name"] = Path(args.script).stem
@@ -138,6 +144,7 @@ def check(settings: LaunchSettings) -> None:
     check_number("--gradient_accumulation_steps", settings.gradient_accumulation_steps, (1, True))
     check_number("--cpus-per-worker", settings.scaling.cpus_per_worker, (0, True))
     check_number("--max-failures", settings.config.checkpoint.max_failures, (-1, True))
+    check_profile(settings.config.loop.profile_steps, settings.config.loop.profile_ranks, settings.scaling.num_workers)
 
 
 # ------------------------------------------------------------------ the run

@@ -157,7 +157,10 @@ def run_script_worker(plan: Plan, seat: Any, reporter: Reporter) -> None:
     first = ray.get(state.size.remote())
     publisher = threading.Thread(target=report_published, args=(state, reporter, first, folder, log), daemon=True)
     publisher.start()
+    profile = script_profile(plan, rank, folder)
     code, details = run_script(script)
+    if profile is not None:
+        profile.remove()
     restore_output()
     folder.sync(log)
     if code and peer_lost(state, rank):
@@ -167,6 +170,21 @@ def run_script_worker(plan: Plan, seat: Any, reporter: Reporter) -> None:
         raise RuntimeError(f"the script exited with status {code}" + (f":\n{details}" if details else ""))
     ray.get(state.finish.remote(rank))
     publisher.join()
+
+
+def script_profile(plan: Plan, rank: int, folder: RunFolder) -> Any:
+    """``--profile FIRST:LAST`` on this rank: the script's optimizer steps traced into ``<run>/profile``
+    (a :class:`~raytpu.compat.script_profile.ScriptProfile`), or None."""
+    from raytpu.compat.script_profile import ScriptProfile  # torch: on the workers only
+
+    loop = plan.config.loop
+    if not loop.profile_steps or rank not in loop.profile_ranks:
+        return None
+    first, last = loop.profile_steps
+    profile = ScriptProfile(plan.config.scaling.runtime, folder.local("profile"), rank, (first, last),
+                            done=lambda: folder.sync("profile"))  # fmt: skip
+    profile.install()
+    return profile
 
 
 def peer_lost(state: Any, rank: int, timeout_s: float = 10.0) -> bool:

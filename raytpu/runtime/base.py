@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raytpu.runtime import profiling
+
 
 def pick_runtime(requested: str, tpu_present: bool, cuda_present: bool) -> str:
     """``auto`` -> xla if a TPU is present, else cuda if a GPU is, else cpu."""
@@ -258,35 +260,15 @@ class Runtime:
 
     # ------------------------------------------------------------ profiling
     def profiler(self, directory: Path) -> Any:
-        """A profiler of this worker (``start()`` / ``stop()``) that writes its trace under ``directory``:
-        ``torch.profiler``'s Chrome trace (Perfetto and TensorBoard's PyTorch profiler plugin open it)."""
-        return TorchTrace(directory, self.rank, cuda=self.device.type == "cuda")
+        """A profiler of this worker (``start()`` / ``stop()``) that writes its trace under ``directory``."""
+        return profiling.profiler(self.name, directory, self.rank)
 
     def step_trace(self, step: int) -> contextlib.AbstractContextManager:
         """Marks one training step in a trace (a range named ``raytpu step N``)."""
-        return torch.profiler.record_function(f"raytpu step {step}")
+        return profiling.step_mark(self.name, step)
 
     def finish(self) -> None:
         """End of training: print reports, release resources."""
-
-
-class TorchTrace:
-    """``torch.profiler`` over a window of steps; the trace as ``<directory>/rank_<r>.pt.trace.json``."""
-
-    def __init__(self, directory: Path, rank: int, cuda: bool) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-        self.path = Path(directory) / f"rank_{rank}.pt.trace.json"
-        self.profile = profile(activities=activities, record_shapes=True)
-
-    def start(self) -> None:
-        self.profile.start()
-
-    def stop(self) -> None:
-        self.profile.stop()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.profile.export_chrome_trace(str(self.path))
 
 
 def clip_or_measure(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -280,38 +280,11 @@ class XLARuntime(Runtime):
         data = met.metric_data("CompileTime")
         return data[1] / 1e9 if data else 0.0
 
-    def profiler(self, directory: Any) -> Any:
-        """torch_xla's profiler: ``plugins/profile/<time>/`` under ``directory``, an XSpace
-        (``*.xplane.pb``, TensorBoard's profile plugin) and a Chrome trace (``*.trace.json.gz``, Perfetto)."""
-        return XlaTrace(directory)
-
-    def step_trace(self, step: int) -> Any:
-        """A host-side mark only: ``xp.Trace`` would also scope the step's IR, which the step's
-        ``sync`` refuses to cut (and which would name the graph's ops differently in the window)."""
-        import torch_xla
-
-        return torch_xla._XLAC.profiler.TraceMe(f"raytpu step {step}")
-
     def finish(self) -> None:
         if self.options is not None and self.options.debug_metrics and self.is_main:
             import torch_xla.debug.metrics as met
 
             print(met.metrics_report())
-
-
-class XlaTrace:
-    def __init__(self, directory: Any) -> None:
-        self.directory = str(directory)
-
-    def start(self) -> None:
-        import torch_xla.debug.profiler as xp
-
-        xp.start_trace(self.directory)
-
-    def stop(self) -> None:
-        import torch_xla.debug.profiler as xp
-
-        xp.stop_trace()
 
 
 def mesh_shape(devices: int, data: int, fsdp: int) -> tuple[int, int]:
