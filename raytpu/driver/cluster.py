@@ -203,6 +203,19 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
         STARTED_HERE.append(os.environ["RAY_ADDRESS"])
 
 
+def leave() -> None:
+    """Stop the local Ray instance this process started (while the command still times its
+    shutdown: at the interpreter's exit it would take seconds no record sees); a cluster this
+    process joined keeps running."""
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS", "")
+    if ray.is_initialized() and address in STARTED_HERE:
+        ray.shutdown()
+        STARTED_HERE.remove(address)
+        os.environ.pop("RAY_ADDRESS", None)
+
+
 def joined() -> str:
     """The cluster this process joined, in words: the local instance it started, or the one at an address."""
     address = os.environ.get("RAY_ADDRESS", "")

@@ -27,7 +27,7 @@ from raytpu.config import Config, ConfigError, dump_yaml, with_values
 from raytpu.config.batching import BatchPlan
 from raytpu.config.plan import Plan, resolve_config, storage_of
 from raytpu.driver import preflight
-from raytpu.driver.cluster import check_reachable, connect, joined
+from raytpu.driver.cluster import check_reachable, connect, joined, leave
 from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunStopped
 from raytpu.job import Job, Synthesizes
@@ -245,8 +245,10 @@ def train(
             summary = train_locally(plan, stop) if local else train_on_ray(plan)
             summary = dataclasses.replace(summary, stopped_by=stop.stopped_by())
     except BaseException:
+        leave()
         timing.end(folder, command, "failed")
         raise
+    leave()
     record = timing.end(folder, command, "stopped" if summary.stopped_by else "completed")
     write_goodput_scalars(folder, record, summary.step or 0)
     found = recorded_text(folder, plan.batch.global_batch)
