@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -172,7 +173,10 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
     # print() in a worker stays print(): Ray Train would route it through a logger that writes it
     # to both stdout and stderr (each line twice on the console)
     env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
-    kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": not quiet}
+    runtime_env: dict[str, Any] = {"env_vars": env}
+    if not verbose:
+        runtime_env["worker_process_setup_hook"] = f"{__name__}.{quiet_train_controller.__name__}"
+    kwargs: dict[str, Any] = {"runtime_env": runtime_env, "log_to_driver": not quiet}
     level = "INFO" if verbose else "WARNING"  # Ray's INFO lines (reports, checkpoints): --verbose only
     kwargs.update(logging_level=getattr(logging, level), logging_config=ray.LoggingConfig(log_level=level))
     local = address in (None, "local")
@@ -203,14 +207,13 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
         STARTED_HERE.append(os.environ["RAY_ADDRESS"])
 
 
-def leave() -> None:
+def leave(keep: Collection[str] = ()) -> None:
     """Stop the local Ray instance this process started (while the command still times its
-    shutdown: at the interpreter's exit it would take seconds no record sees); a cluster this
-    process joined keeps running."""
-    import ray
-
+    shutdown: at the interpreter's exit it would take seconds no record sees), unless it is one
+    of ``keep`` (started before the command, by its caller); a cluster it joined keeps running."""
+    ray = sys.modules.get("ray")  # a --local run never imported it
     address = os.environ.get("RAY_ADDRESS", "")
-    if ray.is_initialized() and address in STARTED_HERE:
+    if ray is not None and ray.is_initialized() and address in STARTED_HERE and address not in keep:
         ray.shutdown()
         STARTED_HERE.remove(address)
         os.environ.pop("RAY_ADDRESS", None)
@@ -226,6 +229,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def quiet_train_controller() -> None:
+    """Run in every process of the job as it starts: Ray Train's controller logs the traceback of
+    an error in its loop (a store that stopped answering while it saved the run's state), which
+    the driver then says in one line. A filter, as Ray Train's logging set-up resets the level."""
+    logger = logging.getLogger("ray.train.v2._internal.execution.controller.controller")
+    logger.addFilter(lambda record: not record.getMessage().startswith("Error in control loop iteration"))
 
 
 def quiet_ray() -> None:

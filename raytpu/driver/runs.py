@@ -11,6 +11,7 @@ and both end in one :class:`RunSummary`. Nothing here touches an accelerator.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -27,12 +28,12 @@ from raytpu.config import Config, ConfigError, dump_yaml, with_values
 from raytpu.config.batching import BatchPlan
 from raytpu.config.plan import Plan, resolve_config, storage_of
 from raytpu.driver import preflight
-from raytpu.driver.cluster import check_reachable, connect, joined, leave
+from raytpu.driver.cluster import STARTED_HERE, check_reachable, connect, joined, leave
 from raytpu.driver.signals import StopOnSignal
-from raytpu.errors import RunStopped
+from raytpu.errors import RunFailed, RunStopped
 from raytpu.job import Job, Synthesizes
 from raytpu.runtime.base import pick_runtime, resolve_precision
-from raytpu.storage.filesystems import join
+from raytpu.storage.filesystems import is_remote, join
 from raytpu.storage.run_folder import RunFolder
 from raytpu.worker import timing
 from raytpu.worker.batch_finder import recorded_text
@@ -235,6 +236,7 @@ def train(
     """Train through Ray (or, with ``local``, in local processes) and print where everything is,
     with the run's goodput. ``started``: when the command started (default: now)."""
     command = Command(started=started or time.time())
+    instances = tuple(STARTED_HERE)  # Ray instances of this process that the command did not start
     plan = dataclasses.replace(plan_run(cfg, job, "train", address, local), command=command.id, started=command.started)
     stage(plan)
     folder = RunFolder(plan.run_dir)
@@ -245,10 +247,11 @@ def train(
             summary = train_locally(plan, stop) if local else train_on_ray(plan)
             summary = dataclasses.replace(summary, stopped_by=stop.stopped_by())
     except BaseException:
-        leave()
-        timing.end(folder, command, "failed")
+        leave(keep=instances)
+        with contextlib.suppress(OSError):  # a store that stopped answering keeps the record it has
+            timing.end(folder, command, "failed")
         raise
-    leave()
+    leave(keep=instances)
     record = timing.end(folder, command, "stopped" if summary.stopped_by else "completed")
     write_goodput_scalars(folder, record, summary.step or 0)
     found = recorded_text(folder, plan.batch.global_batch)
@@ -276,7 +279,12 @@ def write_goodput_scalars(folder: RunFolder, record: dict[str, Any], step: int) 
 def train_on_ray(plan: Plan) -> RunSummary:
     from raytpu.driver.ray_trainer import build_trainer, run_trainer
 
-    result = run_trainer(build_trainer(plan))
+    try:
+        result = run_trainer(build_trainer(plan))
+    except RunFailed:
+        if is_remote(plan.storage):
+            preflight.check_still_answering(plan.storage)
+        raise
     reported = sorted(
         ((located(plan, checkpoint), metrics) for checkpoint, metrics in result.best_checkpoints),
         key=lambda pair: pair[1].get("report", 0),

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytpu.runtime import profiling
+from raytpu.runtime.profiling import profiler as profiler_for
+from raytpu.runtime.profiling import step_mark
 
 
 def pick_runtime(requested: str, tpu_present: bool, cuda_present: bool) -> str:
@@ -261,11 +262,11 @@ class Runtime:
     # ------------------------------------------------------------ profiling
     def profiler(self, directory: Path) -> Any:
         """A profiler of this worker (``start()`` / ``stop()``) that writes its trace under ``directory``."""
-        return profiling.profiler(self.name, directory, self.rank)
+        return profiler_for(self.name, directory, self.rank)
 
     def step_trace(self, step: int) -> contextlib.AbstractContextManager:
         """Marks one training step in a trace (a range named ``raytpu step N``)."""
-        return profiling.step_mark(self.name, step)
+        return step_mark(self.name, step)
 
     def finish(self) -> None:
         """End of training: print reports, release resources."""
