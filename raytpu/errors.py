@@ -21,3 +21,8 @@ class RunFailed(RuntimeError):
     def __init__(self, message: str, details: str = "") -> None:
         super().__init__(message)
         self.details = details
+
+
+class WorkerFailed(RuntimeError):
+    """A Ray worker's error as the driver shows it: the traceback formatted where it was raised
+    (Ray Train hands the driver the bare exception; the traceback would stay in the worker's log)."""

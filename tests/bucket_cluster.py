@@ -33,19 +33,26 @@ def train(config: Path, storage: str, name: str, *extra: str) -> int:
     return cli.main(["train", str(config), *TINY, f"run.storage_path={storage}", f"run.name={name}", *extra])
 
 
-def kill_a_worker_after_the_first_checkpoint(folder: object, killed: list[int]) -> None:
-    """SIGKILL one of the run's Ray Train workers once a checkpoint is whole in the bucket."""
+def kill_a_worker_after_the_first_checkpoint(folder: object, killed: list[int | str]) -> None:
+    """SIGKILL one of the run's Ray Train workers once a checkpoint is whole in the bucket (a
+    failed look, a listing the store refused, is tried again; the last one is reported if none
+    succeeds, for the test to show)."""
     from ray.util.state import list_actors
 
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        names = [n for n in folder.children() if n.startswith("checkpoint_0")]
-        if names and folder.exists(f"{names[0]}/meta.json"):
-            break
+        try:
+            names = [n for n in folder.children() if n.startswith("checkpoint_0")]
+            if names and folder.exists(f"{names[0]}/meta.json"):
+                alive = [("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+                workers = list_actors(filters=alive, detail=True)
+                if workers:
+                    os.kill(workers[0].pid, signal.SIGKILL)
+                    killed[:] = [workers[0].pid]
+                    return
+        except Exception as exc:  # noqa: BLE001 - reported in the test's JSON line
+            killed[:] = [f"{type(exc).__name__}: {exc}"]
         time.sleep(0.2)
-    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")], detail=True)
-    killed.append(workers[0].pid)
-    os.kill(killed[0], signal.SIGKILL)
 
 
 def leftovers(folders: list[Path]) -> list[str]:

@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from raytpu.errors import ConfigError
 from raytpu.storage.filesystems import check_location, diagnose, is_remote, join
 from raytpu.storage.run_folder import RunFolder, local_copy
 from tests.conftest import ROOT
-from tests.stores import BUCKET
+from tests.stores import BUCKET, free_port
 
 
 # ------------------------------------------------------------------ the layer
@@ -42,6 +44,10 @@ def test_a_location_is_a_folder_or_a_bucket_without_credentials(location, messag
 def test_locations_join_and_errors_say_what_to_do():
     assert join("gs://b/runs/", "r1", "tensorboard") == "gs://b/runs/r1/tensorboard"
     assert join("/x/runs", "r1") == "/x/runs/r1" and not is_remote("/x") and is_remote("s3://b")
+    assert (
+        join("s3://b/runs?endpoint_override=h:9&scheme=http", "r1")
+        == "s3://b/runs/r1?endpoint_override=h:9&scheme=http"
+    )
     assert "the bucket 'b' does not exist" in diagnose("s3://b/x", "AWS Error NO_SUCH_BUCKET during PutObject")
     assert "may not write there" in diagnose("s3://b/x", "AWS Error ACCESS_DENIED during CreateMultipartUpload")
     assert "no valid credentials" in diagnose("gs://b/x", "Could not create a OAuth2 access token")
@@ -66,6 +72,21 @@ def test_a_run_folder_in_a_bucket_reads_writes_stages_and_fetches(stores, scheme
     assert folder.children() == ["config.yaml"]
 
 
+def test_tensorboard_reads_the_events_of_a_run_in_s3(stores, tmp_path):
+    """What docs/storage.md tells a user: ``tensorboard --logdir s3://...`` (boto3, the endpoint from
+    ``AWS_ENDPOINT_URL``) reads the events a bucket run synced there."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    folder = RunFolder(f"s3://{BUCKET}/board-{tmp_path.name}")
+    with SummaryWriter(log_dir=str(folder.local("tensorboard"))) as writer:
+        for step in range(3):
+            writer.add_scalar("train/loss", 1.0 / (step + 1), step)
+    folder.sync("tensorboard")
+    events = EventAccumulator(folder.uri("tensorboard")).Reload()
+    assert [event.step for event in events.Scalars("train/loss")] == [0, 1, 2]
+
+
 # ------------------------------------------------------------------ a multi-node cluster on S3
 @pytest.mark.integration
 def test_a_run_in_s3_on_three_nodes_resumes_after_a_kill_bit_identical_to_a_local_run(stores, tmp_path):
@@ -85,7 +106,8 @@ def test_a_run_in_s3_on_three_nodes_resumes_after_a_kill_bit_identical_to_a_loca
     )
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["codes"] == {"killed": 0, "straight": 0} and report["killed"], report
+    assert report["codes"] == {"killed": 0, "straight": 0}, report
+    assert [type(pid) for pid in report["killed"]] == [int], report  # else the error that kept it alive
     assert report["final"] == "checkpoint_00000012"  # 32 train images, 8 a step: 4 steps an epoch, 3 epochs
     assert "config.yaml" in report["bucket"] and report["tensorboard"], report["bucket"]
     assert len(report["leftovers"]) <= 1 and not report["local_run_dirs"], report  # at most the killed worker's
@@ -134,3 +156,54 @@ def test_a_run_in_gcs_resumes_past_a_damaged_checkpoint_and_tests_from_the_bucke
     assert cli.main(["test", str(config), "--checkpoint", best, f"run.storage_path={tmp_path}"]) == 0
     tested = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
     assert set(tested) == {"test/mse"}
+
+
+# ------------------------------------------------------------------ the store lost mid-run
+@pytest.mark.integration
+def test_a_store_lost_mid_run_ends_it_in_one_line_and_its_last_checkpoint_resumes(ray_session, tmp_path, capfd):
+    """A second S3 endpoint (moto keeps its buckets in this process, so it serves the same bucket)
+    goes away after the run's first checkpoint: the run ends with one line naming the store; once
+    the endpoint is back, the same command resumes from that checkpoint and completes."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    storage = f"s3://{BUCKET}/lost-{tmp_path.name}?endpoint_override=127.0.0.1:{port}&scheme=http"
+    folder = RunFolder(f"s3://{BUCKET}/lost-{tmp_path.name}/lost")  # through the session's endpoint
+    config = tmp_path / "toy.yaml"
+    config.write_text(f"job: {{name: tests.toy_job}}\ndata: {{path: {tmp_path}}}\n")
+    argv = ["train", str(config), "scaling.num_workers=1", "data.global_batch_size=8", "loop.epochs=3",
+            "job.step_sleep=0.2", "logging.progress_bar=false", f"run.storage_path={storage}",
+            "run.name=lost"]  # fmt: skip
+    stopper = when_written(folder, "checkpoint_00000008/meta.json", server.stop)
+    capfd.readouterr()
+    started = time.monotonic()
+    assert cli.main(argv) == 1
+    stopper.join()
+    err = capfd.readouterr().err.strip().splitlines()
+    assert time.monotonic() - started < 120
+    assert len(err) == 1 and err[0].startswith("raytpu: error: the run's store stopped answering"), err[-10:]
+    assert "the last complete checkpoint in it is kept" in err[0]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        assert cli.main(argv) == 0
+    finally:
+        server.stop()
+    out = capfd.readouterr().out
+    assert f"/lost/checkpoint_00000008?endpoint_override=127.0.0.1:{port}&scheme=http at step 8" in out, out
+
+
+def when_written(folder: RunFolder, name: str, action) -> threading.Thread:
+    """Run ``action`` once ``folder`` holds ``name``."""
+
+    def wait() -> None:
+        deadline = time.monotonic() + 120
+        while not folder.exists(name) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        action()
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    return thread

@@ -20,7 +20,7 @@ from raytpu.config.batching import BatchPlan
 from raytpu.config.loading import from_dict, to_dict, with_values
 from raytpu.config.schema import Config
 from raytpu.errors import ConfigError
-from raytpu.storage.filesystems import is_remote
+from raytpu.storage.filesystems import is_remote, join
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Plan:
 
     @property
     def run_dir(self) -> str:
-        return f"{self.storage.rstrip('/')}/{self.name}"
+        return join(self.storage, self.name)
 
     @property
     def batch(self) -> BatchPlan:

@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from raytpu.config import Config, ConfigError
+from raytpu.errors import RunFailed
 from raytpu.job import Job
 from raytpu.storage.filesystems import check_location, diagnose, filesystem, is_remote
 from raytpu.worker import checkpoint as ckpt
@@ -58,6 +59,18 @@ def check_bucket(location: str, what: str, timeout_s: float = BUCKET_TIMEOUT_S) 
     if done.returncode:
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
         raise ConfigError(f"{what}={location}: {diagnose(location, lines[-1] if lines else 'the probe failed')}")
+
+
+def check_still_answering(storage: str) -> None:
+    """After a failed run in a bucket: when the store no longer takes a write, that is the cause,
+    said in one line (the run's last complete checkpoint is what the store already held)."""
+    try:
+        check_bucket(storage, "run.storage_path")
+    except ConfigError as exc:
+        raise RunFailed(
+            f"the run's store stopped answering during the run ({exc}); the last complete checkpoint in it is kept: "
+            "run the same command again once it answers"
+        ) from None
 
 
 def check_weights(cfg: Config) -> None:

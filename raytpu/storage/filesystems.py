@@ -196,7 +196,9 @@ class GcsFolders(pafs.FileSystemHandler):
 def join(location: str, *parts: str) -> str:
     """``location`` with ``parts`` appended: a URI stays a URI, a local path a local path."""
     if is_remote(location) or location.startswith("file://"):
-        return "/".join([location.rstrip("/"), *(part.strip("/") for part in parts if part)])
+        base, query = location.split("?", 1) if "?" in location else (location, "")
+        joined = "/".join([base.rstrip("/"), *(part.strip("/") for part in parts if part)])
+        return f"{joined}?{query}" if query else joined  # the store's options stay at the end
     return str(Path(location, *parts))
 
 

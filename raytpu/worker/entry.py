@@ -16,12 +16,14 @@ import os
 import signal
 import sys
 import tempfile
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from raytpu.config import Config
 from raytpu.config.plan import Plan
+from raytpu.errors import WorkerFailed
 from raytpu.job import load_job
 from raytpu.storage.run_folder import RunFolder
 from raytpu.worker.batch_finder import EXIT_BATCH_REDUCED, BatchReduced, fit_finding_batch
@@ -96,15 +98,22 @@ def ray_entry(plan_values: dict[str, Any]) -> None:
     if cfg.scaling.runtime == "xla" and tpu.accelerator_type and tpu.layout == "multiprocess":
         configure_chip_process(cfg, seat.rank)
     reporter = RayReporter(plan.run_dir, seat.rank, seat.world, plan.stop)
-    run(plan, seat, reporter, {name: ray.train.get_dataset_shard(name) for name in plan.datasets})
+    try:
+        run(plan, seat, reporter, {name: ray.train.get_dataset_shard(name) for name in plan.datasets})
+    except Exception:  # the driver prints the traceback once, then its one line
+        raise WorkerFailed(traceback.format_exc().rstrip()) from None
 
 
 def quiet_reports() -> None:
     """Ray Train 2.60 logs every report at INFO through a logger named by its source file, outside
-    ``ray.train``, where ``RunConfig(logging_config=...)`` does not reach: set that logger's level."""
+    ``ray.train``, where ``RunConfig(logging_config=...)`` does not reach: set that logger's level.
+    It also logs a failing training function's traceback, which the driver prints itself (once,
+    before its one-line error, or not at all when the line says it all, as for a lost store)."""
+    from ray.train.v2._internal import util
     from ray.train.v2._internal.execution import context
 
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
+    logging.getLogger(util.__name__).setLevel(logging.CRITICAL)
 
 
 def configure_chip_process(cfg: Config, world_rank: int) -> dict[str, str]:

@@ -25,6 +25,7 @@ from typing import Any
 
 from raytpu.driver.signals import confirm_stop, stop_requested
 from raytpu.storage.run_folder import RunFolder
+from raytpu.worker import checkpoint as ckpt
 from raytpu.worker.checkpoint import CheckpointWriteError, is_complete, save_json
 
 #: beside a checkpoint's ``meta.json`` in a run folder: what it was reported with (its score)
@@ -137,6 +138,21 @@ def link_checkpoint(source: Path, target: Path) -> Any:
     return ray.train.Checkpoint(str(target))
 
 
+def persist_meta_last(storage: Any, checkpoint: Any, name: str) -> Any:
+    """Ray Train's copy of a checkpoint into the run's storage, with ``meta.json`` (rank 0's) copied
+    after every other file of it: Ray Train copies a folder's files in any order, side by side,
+    and an object store has no rename, so the file written last is what says a copy is whole."""
+    meta = Path(checkpoint.path) / ckpt.META
+    held = meta.read_bytes() if meta.is_file() else None
+    if held is not None:
+        meta.unlink()
+    stored = storage.persist_current_checkpoint(checkpoint, name)
+    if held is not None:
+        with stored.filesystem.open_output_stream(f"{stored.path}/{ckpt.META}") as out:
+            out.write(held)
+    return stored
+
+
 def checkpoint_dirs(root: Path) -> list[Path]:
     """``root``'s ``checkpoint_*`` folders, complete or not, newest (highest step) first."""
     if not root.is_dir():
@@ -188,7 +204,7 @@ class RayReporter(Reporter):
         try:
             if linked:
                 return link_checkpoint(Path(checkpoint.path), Path(storage.build_checkpoint_path_from_name(name)))
-            return storage.persist_current_checkpoint(checkpoint, name)
+            return persist_meta_last(storage, checkpoint, name)
         except OSError as exc:  # a full disk, a refused or unreachable bucket
             raise CheckpointWriteError(exc.filename or self.folder.uri(name), exc) from exc
         finally:
