@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from raytpu.config import load_config
 from raytpu.config.args import ConfigError, Parser, extract, parse_options, take_flag
+from raytpu.config.loading import read_config
 from raytpu.errors import RunFailed, RunStopped
 from raytpu.job import HasStatistics, Synthesizes, load_job
 
@@ -164,11 +164,12 @@ def run(args: argparse.Namespace, started: float) -> int:
         overrides.append(f"checkpoint.weights={checkpoint}")
     if args.command == "test":
         overrides.append("run.mode=test")
-    cfg, job = load_config(args.config, overrides)
-    if cfg.run.mode == "test":
-        print(json.dumps(runs.test(cfg, job, address)), flush=True)
-        return 0
-    runs.train(cfg, job, address, local=local, started=started)
+    cfg, job, origins = read_config(args.config, overrides)
+    with origins.naming_sources():  # a check on the driver names the file line or flag behind a value
+        if cfg.run.mode == "test":
+            print(json.dumps(runs.test(cfg, job, address)), flush=True)
+            return 0
+        runs.train(cfg, job, address, local=local, started=started)
     return 0
 
 
@@ -176,9 +177,10 @@ def export_command(args: argparse.Namespace) -> int:
     from raytpu.driver.export import export
 
     overrides, found = extract(list(args.overrides), valued=["--checkpoint", "--out"])
-    cfg, job = load_config(args.config, overrides)
+    cfg, job, origins = read_config(args.config, overrides)
     checkpoint = found.get("--checkpoint", [args.checkpoint])[0]
-    out = export(cfg, job, checkpoint or "", found.get("--out", [args.out])[0] or "")
+    with origins.naming_sources():
+        out = export(cfg, job, checkpoint or "", found.get("--out", [args.out])[0] or "")
     print(f"exported {job.name} weights from {checkpoint} to {out}", flush=True)
     return 0
 

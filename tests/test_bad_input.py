@@ -28,6 +28,7 @@ from raytpu.worker.reporting import FolderReporter
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "jobs/mshnet/small.yaml")
+LM = str(ROOT / "jobs/causal_lm/small.yaml")
 RAYTPU = str(Path(sys.executable).with_name("raytpu"))
 
 
@@ -46,6 +47,9 @@ def world(tmp_path_factory):
     junk = base / "junk.pt"
     junk.write_text("not a checkpoint")
     (base / "broken.yaml").write_text("job: {name: mshnet}\nloop:\n  epochs: [1, 2\n")
+    (base / "latin1.yaml").write_bytes(b"job: {name: mshnet}\n# \xff\xfe Latin-1\n")
+    (base / "fast.yaml").write_text("job: {name: mshnet}\noptim:\n  lr: fast\n")
+    (base / "misspelt.yaml").write_text("job: {name: mshnet}\nloop:\n  log_every: 5\n  epoch: 3\n")
     corrupt = base / "corrupt"
     shutil.copytree(data, corrupt)
     first = (corrupt / "trainval.txt").read_text().split()[0]
@@ -125,6 +129,31 @@ CASES = {  # name: (argv after `raytpu`, text the error line must contain)
         ["train", SMALL, "run.storage_path=hdfs://nn/runs"],
         "use a local folder, gs://bucket/prefix or s3://bucket/prefix",
     ),
+    "a TrainingArguments flag's value": (
+        ["train", SMALL, "--learning_rate", "fast"],
+        "--learning_rate fast: optim.lr must be a number (float), got 'fast'",
+    ),
+    "a seed flag's value": (["train", SMALL, "--epochs=-2"], "--epochs=-2: loop.epochs must be at least 1, got -2"),
+    "misspelt Transformers field": (
+        ["train", LM, "job.model_config.hiden_size=64"],
+        "job.model_config.hiden_size is not a field of Transformers' llama config; did you mean hidden_size",
+    ),
+    "misspelt field in --config_overrides": (
+        ["train", LM, "--config_overrides", "hiden_size=64,num_hidden_layers=2"],
+        "--config_overrides hiden_size=64,num_hidden_layers=2: job.model_config.hiden_size is not a field",
+    ),
+    "mistyped Transformers field": (
+        ["train", LM, "job.model_config.num_hidden_layers=two"],
+        "job.model_config.num_hidden_layers must be int (as Transformers' LlamaConfig types it), got 'two'",
+    ),
+    "storage path that cannot be made": (
+        ["train", SMALL, "run.storage_path=/proc/raytpu-results"],
+        "run.storage_path=/proc/raytpu-results: cannot create or write this folder",
+    ),
+    "output dir that cannot be made": (
+        ["train", SMALL, "--output_dir", "/proc/raytpu-results"],
+        "--output_dir /proc/raytpu-results: run.storage_path=/proc/raytpu-results: cannot create or write",
+    ),
     "credentials in the storage URI": (
         ["submit", SMALL, "--output_dir", "s3://b/runs?secret_key=x", "--address", "http://127.0.0.1:8265"],
         "carries secret_key: credentials never go into a path",
@@ -156,6 +185,15 @@ def file_cases(world) -> dict[str, tuple[list[str], str]]:
         "junk checkpoint": (["test", SMALL, "--checkpoint", str(junk)], "neither a checkpoint directory nor a weights"),
         "folder that is no checkpoint": (["test", SMALL, "--checkpoint", str(base)], "is not a raytpu checkpoint"),
         "storage path is a file": (["train", SMALL, f"run.storage_path={junk}"], "run.storage_path"),
+        "config file not UTF-8": (
+            ["train", str(base / "latin1.yaml")],
+            f"config file {base / 'latin1.yaml'} is not UTF-8 text (byte 0xff at position 22): save it as UTF-8",
+        ),
+        "a file's value": (["train", str(base / "fast.yaml")], f"{base / 'fast.yaml'}:3: optim.lr must be a number"),
+        "a file's misspelt key": (
+            ["train", str(base / "misspelt.yaml")],
+            f"{base / 'misspelt.yaml'}:4: unknown config key 'loop.epoch'; did you mean loop.epochs",
+        ),
         "corrupt statistics file": (
             ["train", str(ROOT / "jobs/cdeit/small.yaml"), f"data.path={base / 'cdeit'}", "data.global_batch_size=2"],
             "mean.pth: not a statistics tensor",
@@ -175,6 +213,9 @@ def file_cases(world) -> dict[str, tuple[list[str], str]]:
         "folder that is no checkpoint",
         "storage path is a file",
         "corrupt statistics file",
+        "config file not UTF-8",
+        "a file's value",
+        "a file's misspelt key",
     ],
 )
 def test_mistakes_in_files_and_paths(world, capsys, name):

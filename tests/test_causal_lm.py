@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from raytpu import cli
@@ -260,12 +261,44 @@ def test_llama3_8b_config_has_the_llama3_8b_parameter_count():
     ],
 )
 def test_bad_model_settings_fail_before_anything_runs(override, message):
-    key, value = override.split("=")
     with pytest.raises((ConfigError, ValueError), match=message):
-        if key.startswith("job.model_config."):
-            flags(f"job.model_config={{{key.rsplit('.', 1)[1]}: {value}}}")
-        else:
-            flags(override)
+        flags(override)
+
+
+@pytest.mark.parametrize(
+    "words, expected",
+    [
+        (["job.model_config.num_hidden_layers=3"], {"num_hidden_layers": 3}),
+        (["job.model_config.rms_norm_eps=1e-5"], {"rms_norm_eps": 1e-5}),  # YAML 1.1 reads a string
+        (["job.model_config.initializer_range=1"], {"initializer_range": 1.0}),  # a float field
+        (["--config_overrides", "num_hidden_layers=2,hidden_act=gelu"], {"num_hidden_layers": 2, "hidden_act": "gelu"}),
+    ],
+)
+def test_transformers_config_fields_from_the_command_line_typed_by_its_class(words, expected):
+    from raytpu.jobs.causal_lm import architecture
+
+    config = architecture(flags(*words).job)
+    for name, value in expected.items():
+        assert getattr(config, name) == value and type(getattr(config, name)) is type(value), name
+
+
+def test_a_model_config_field_set_on_the_command_line_trains_and_exports(data, tmp_path):
+    """``job.model_config.num_hidden_layers=3`` trains a 3-layer model: the run's config.yaml and
+    the export's config.json say 3, and the checkpoint holds exactly three layers."""
+    three = "job.model_config.num_hidden_layers=3"
+    where = [f"data.path={data}", f"run.storage_path={tmp_path}", "run.name=three", "job.sample_tokens=0"]
+    short = ["scaling.num_workers=1", "data.global_batch_size=4", "loop.max_steps=2", "logging.progress_bar=false"]
+    assert cli.main(["train", SMALL, three, *where, *short, "--local"]) == 0
+    run = tmp_path / "three"
+    assert yaml.safe_load((run / "config.yaml").read_text())["job"]["model_config"]["num_hidden_layers"] == 3
+    checkpoint = sorted(run.glob("checkpoint_0*"))[-1]
+    layers = {key.split(".")[2] for key in load_file(checkpoint / ckpt.MODEL) if key.startswith("model.layers.")}
+    assert layers == {"0", "1", "2"}
+    out = tmp_path / "export"
+    assert (
+        cli.main(["export", SMALL, three, f"data.path={data}", "--checkpoint", str(checkpoint), "--out", str(out)]) == 0
+    )
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 3
 
 
 # ------------------------------------------------------------------ training on Ray

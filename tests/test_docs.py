@@ -25,6 +25,8 @@ from typing import Any
 import pytest
 import yaml
 
+from raytpu.config.args import OVERRIDE
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").glob("*.md"))
@@ -338,7 +340,9 @@ def command_problems(command: Command) -> list[str]:
         script = next((index for index, word in enumerate(rest) if word.endswith(".py")), len(rest))
         rest = rest[:script]  # the script's own arguments are its business
     problems = []
-    for word in rest:
+    for previous, word in zip(["", *rest], rest):
+        if previous.startswith("--") and "=" not in previous and not word.startswith("-") and not OVERRIDE.match(word):
+            continue  # a flag's value, as the parser takes it (--config_overrides "n_embd=64,...")
         if word.startswith("--") and len(word) > 2:
             flag = word.split("=", 1)[0]
             if flag not in accepted:

@@ -12,9 +12,11 @@ which the runtime allows or not (``USE_TORCH_XLA``) before the model is built.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import math
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from raytpu.config import Config
+from raytpu.config.args import Flag, parse_value
 from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
 from raytpu.jobs.causal_lm import corpus
 from raytpu.worker.flops import matmul_parameters, transformer_flops_per_token
@@ -53,11 +56,10 @@ def architecture(job: CausalLMConfig) -> Any:  # -> transformers.PretrainedConfi
 
     if job.model_name_or_path:
         return AutoConfig.from_pretrained(job.model_name_or_path)
-    return AutoConfig.for_model(job.model_type, **{"vocab_size": job.vocab_size, **job.model_config})
+    return AutoConfig.for_model(job.model_type, **{"vocab_size": job.vocab_size, **typed_model_config(job)})
 
 
 def check_architecture(job: CausalLMConfig) -> None:
-    from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if job.model_name_or_path:
@@ -71,13 +73,73 @@ def check_architecture(job: CausalLMConfig) -> None:
         close = difflib.get_close_matches(job.model_type, list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise ValueError(f"job.model_type={job.model_type!r} is not a Transformers causal-LM architecture{hint}")
+    typed_model_config(job)
+
+
+def typed_model_config(job: CausalLMConfig) -> dict[str, Any]:
+    """``job.model_config`` checked against the fields of ``job.model_type``'s config class, each
+    value typed as that class annotates it (an int where it takes a float becomes a float); an
+    unknown field fails with the closest fields of that class."""
+    from transformers import CONFIG_MAPPING
+
     config_class = CONFIG_MAPPING[job.model_type]
-    fields = set(inspect.signature(config_class.__init__).parameters) | set(vars(config_class()))
-    for key in job.model_config:
+    annotations = field_annotations(config_class)
+    fields = set(annotations) | set(inspect.signature(config_class.__init__).parameters) | set(vars(config_class()))
+    typed = {}
+    for key, value in job.model_config.items():
         if key not in fields:
             close = difflib.get_close_matches(key, [k for k in fields if not k.startswith("_")], n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"job.model_config.{key} is not a field of Transformers' {job.model_type} config{hint}")
+        typed[key] = typed_value(f"job.model_config.{key}", value, annotations.get(key), config_class.__name__)
+    return typed
+
+
+#: the annotations :func:`typed_value` checks a value against
+PLAIN_TYPES = {bool, int, float, str, type(None)}
+
+
+def field_annotations(config_class: type) -> dict[str, Any]:
+    """The annotated fields of a Transformers config class and its bases (Transformers 5 declares them)."""
+    annotations: dict[str, Any] = {}
+    for cls in reversed(config_class.__mro__):
+        annotations.update(vars(cls).get("__annotations__", {}))
+    return annotations
+
+
+def typed_value(key: str, value: Any, annotation: Any, owner: str) -> Any:
+    """``value`` as ``annotation`` types it, where that is plain (bool, int, float, str, None);
+    other annotations (mappings, lists, literals) take the value as YAML read it."""
+    kinds = set(typing.get_args(annotation)) or {annotation}
+    if not kinds <= PLAIN_TYPES:
+        return value
+    if isinstance(value, str) and str not in kinds and float in kinds:
+        with contextlib.suppress(ValueError):
+            return float(value)  # YAML 1.1 reads 1e-5 as a string
+    if value is None:
+        fits = type(None) in kinds
+    elif isinstance(value, bool):
+        fits = bool in kinds
+    elif isinstance(value, int) and int not in kinds and float in kinds:
+        return float(value)
+    else:
+        fits = type(value) in kinds
+    if fits:
+        return value
+    wanted = " or ".join(sorted(kind.__name__ for kind in kinds))
+    raise ValueError(f"{key} must be {wanted} (as Transformers' {owner} types it), got {value!r}")
+
+
+def config_overrides(value: Any) -> list[tuple[str, Any]]:
+    """``run_clm.py``'s ``--config_overrides "n_embd=64,resid_pdrop=0.2"``: fields of the model's
+    Transformers config, as ``job.model_config.<field>`` overrides (values read as YAML)."""
+    pairs = []
+    for item in str(value).split(","):
+        name, sep, text = item.strip().partition("=")
+        if not sep or not name.strip() or not text.strip():
+            raise ValueError(f"--config_overrides {value}: write FIELD=VALUE pairs separated by commas, e.g. n_embd=64")
+        pairs.append((f"job.model_config.{name.strip()}", parse_value(text.strip())))
+    return pairs
 
 
 def context_length(config: Any) -> int | None:
@@ -97,6 +159,7 @@ class CausalLMJob(Job):
         "--model_name_or_path": "job.model_name_or_path",
         "--block_size": "job.seq_len",  # Transformers' run_clm.py
         "--model_type": "job.model_type",
+        "--config_overrides": Flag(convert=config_overrides, text=True),  # run_clm.py's
     }
     requires = ("transformers", "tokenizers")
     stats_files = (*corpus.TOKENIZER_FILES, corpus.CORPUS_FILE)

@@ -97,10 +97,25 @@ def warn(text: str) -> None:
     print(f"raytpu: warning: {text}", file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class Override:
+    """One config value from the command line: the key it sets, its value, and the words that
+    set it as the user typed them (``--learning_rate fast``, ``optim.lr=fast``)."""
+
+    key: str
+    value: Any
+    typed: str
+
+
 def parse_overrides(items: list[str], aliases: Mapping[str, Alias]) -> list[tuple[str, Any]]:
     """``["a.b=1", "--batch-size", "8", "--lr=0.1", "--bf16"]`` -> ``[("a.b", 1), ...]``; ``aliases``
     maps flags and short keys to dotted keys or :class:`Flag` rules."""
-    pairs: list[tuple[str, Any]] = []
+    return [(override.key, override.value) for override in read_overrides(items, aliases)]
+
+
+def read_overrides(items: list[str], aliases: Mapping[str, Alias]) -> list[Override]:
+    """:func:`parse_overrides`, each value with the words that set it."""
+    overrides: list[Override] = []
     index = 0
     while index < len(items):
         item = items[index]
@@ -112,22 +127,27 @@ def parse_overrides(items: list[str], aliases: Mapping[str, Alias]) -> list[tupl
                 raise ConfigError(unknown_flag_message(flag, aliases))
             rule = alias if isinstance(alias, Flag) else Flag(key=alias)
             if rule.switch:
+                typed = item
                 if not sep and index < len(items) and items[index].lower() in BOOLEAN_WORDS:
                     value, sep = items[index], "="
+                    typed = f"{flag} {value}"
                     index += 1
                 parsed = BOOLEAN_WORDS.get(value.lower()) if sep else True
                 if parsed is None:
                     raise ConfigError(f"flag {flag} takes no value or true/false, got {value!r}")
-                pairs.extend(rule.pairs(flag, parsed))
+                overrides.extend(Override(key, v, typed) for key, v in rule.pairs(flag, parsed))
                 continue
+            typed = item
             if not sep:
                 if index >= len(items) or items[index].startswith("--") or OVERRIDE.match(items[index]):
                     raise ConfigError(f"flag {flag} needs a value, e.g. {flag} VALUE")
                 value = items[index]
+                typed = f"{flag} {value}"
                 index += 1
             if not value.strip():
                 raise ConfigError(f"flag {flag} has an empty value; write {flag}=VALUE")
-            pairs.extend(rule.pairs(flag, value if rule.text else parse_value(value)))
+            pairs = rule.pairs(flag, value if rule.text else parse_value(value))
+            overrides.extend(Override(key, v, typed) for key, v in pairs)
         elif "=" in item:
             key, value = item.split("=", 1)
             if not key.strip():
@@ -135,10 +155,10 @@ def parse_overrides(items: list[str], aliases: Mapping[str, Alias]) -> list[tupl
             if not value.strip():
                 raise ConfigError(f"override {item!r} has no value; write {key}=VALUE")
             alias = aliases.get(key, key)
-            pairs.append((alias if isinstance(alias, str) else alias.key or key, parse_value(value)))
+            overrides.append(Override(alias if isinstance(alias, str) else alias.key or key, parse_value(value), item))
         else:
             raise ConfigError(f"override {item!r} is not key=value (e.g. optim.lr=0.01)")
-    return pairs
+    return overrides
 
 
 def unknown_flag_message(flag: str, aliases: Mapping[str, Alias]) -> str:

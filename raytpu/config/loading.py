@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 
 from raytpu.compat.training_args import TRAINING_ARGUMENTS
-from raytpu.config.args import Alias, ConfigError, Flag, mapping_as_flags, parse_overrides
+from raytpu.config.args import Alias, ConfigError, Flag, Override, mapping_as_flags, read_overrides
+from raytpu.config.origins import Origins, yaml_lines
 from raytpu.config.schema import Config
 from raytpu.config.validation import validate
 from raytpu.job import Job, JobConfig, load_job
@@ -51,36 +52,86 @@ COMMON_ALIASES: dict[str, Alias] = {
 # ---------------------------------------------------------------------- build
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> tuple[Config, Job]:
     """Read a YAML file, apply ``overrides`` and return the typed config and its job."""
+    cfg, job, _ = read_config(path, overrides)
+    return cfg, job
+
+
+def read_config(path: str | Path | None, overrides: list[str] | None = None) -> tuple[Config, Job, Origins]:
+    """:func:`load_config`, with where each value came from; an error about a value names its
+    file and line, or the flag that set it."""
     raw: dict[str, Any] = {}
+    origins = Origins()
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} not found; pass a YAML file such as jobs/mshnet/small.yaml")
-        raw = read_yaml(path)
+        text = read_text(path)
+        raw = parse_yaml(path, text)
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        origins = Origins(yaml_lines(path, text))
     job_section = raw.get("job") or {}
     if isinstance(job_section, str):
         job_section = {"name": job_section}
         raw["job"] = job_section
-    flags = mapping_as_flags("training_arguments", raw.pop("training_arguments")) if "training_arguments" in raw else []
-    pairs = parse_overrides(flags + list(overrides or []), job_aliases_for(raw, overrides or []))
+    with origins.naming_sources():
+        from_file = section_flags(raw, origins)
+        found = read_overrides(list(from_file) + list(overrides or []), job_aliases_for(raw, overrides or []))
+    origins = origins.merged({o.key: typed_origin(o, from_file) for o in found})
+    pairs = [(o.key, o.value) for o in found]
     job_name = dict(pairs).get("job.name", job_section.get("name"))
     if not job_name:
         raise ConfigError("no job given: set `job: {name: <job>}` in the config or pass job.name=<job>")
     job = load_job(str(job_name))
-    cfg = with_values(build_dataclass(Config, raw, "", {"job": job.config_class}), pairs)
-    if not cfg.run.name:  # a run is named after its job and config file unless named
-        stem = Path(path).stem if path is not None else "run"
-        cfg = with_values(cfg, {"run.name": f"{job.name}-{stem}"})
-    validate(cfg, job)
-    return cfg, job
+    with origins.naming_sources():
+        cfg = with_values(build_dataclass(Config, raw, "", {"job": job.config_class}), pairs)
+        if not cfg.run.name:  # a run is named after its job and config file unless named
+            stem = Path(path).stem if path is not None else "run"
+            cfg = with_values(cfg, {"run.name": f"{job.name}-{stem}"})
+        validate(cfg, job)
+    return cfg, job, origins
+
+
+def typed_origin(override: Override, from_file: dict[str, str]) -> str:
+    """Where ``override`` came from, for an error's first words: its line when the file's
+    ``training_arguments:`` set it, the flag as typed, or nothing for a dotted key the user typed."""
+    if override.typed in from_file:
+        return from_file[override.typed]
+    return "" if override.typed.startswith(f"{override.key}=") else override.typed
+
+
+def section_flags(raw: dict[str, Any], origins: Origins) -> dict[str, str]:
+    """A file's ``training_arguments:`` section as the flags that say the same (taken out of
+    ``raw``), each mapped to its line in the file (``training_arguments.learning_rate``)."""
+    if "training_arguments" not in raw:
+        return {}
+    section = raw.pop("training_arguments")
+    words = mapping_as_flags("training_arguments", section)
+    lines = [origins.by_key.get(f"training_arguments.{name}", "training_arguments") for name in section]
+    return {word: f"{line} (training_arguments.{name})" for word, line, name in zip(words, lines, section)}
+
+
+def read_text(path: Path) -> str:
+    """A config file's text; one that cannot be read, or is not UTF-8, is a one-line error naming it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at position {exc.start}): "
+            "save it as UTF-8"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read ({exc.strerror or exc}): check its permissions") from None
 
 
 def read_yaml(path: Path) -> Any:
     """A YAML file's content; a syntax error names the file, line and column."""
+    return parse_yaml(path, read_text(path))
+
+
+def parse_yaml(path: Path, text: str) -> Any:
     try:
-        return yaml.safe_load(path.read_text()) or {}
+        return yaml.safe_load(text) or {}
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -198,6 +249,8 @@ def replaced(root: Any, target: Any, parts: list[str], value: Any, key: str) -> 
     current = getattr(target, name)
     if not rest:
         return dataclasses.replace(target, **{name: coerce(value, field_type, key)})
+    if isinstance(current, dict):  # a free-form mapping (a Transformers config's fields): any key
+        return dataclasses.replace(target, **{name: with_item(current, rest, value)})
     if len(rest) == 1 and rest[0].isdigit() and isinstance(current, list):
         index = int(rest[0])
         if not 0 <= index < len(current):
@@ -206,6 +259,13 @@ def replaced(root: Any, target: Any, parts: list[str], value: Any, key: str) -> 
         items[index] = coerce(value, typing.get_args(field_type)[0], key)
         return dataclasses.replace(target, **{name: items})
     return dataclasses.replace(target, **{name: replaced(root, current, rest, value, key)})
+
+
+def with_item(mapping: dict[str, Any], parts: list[str], value: Any) -> dict[str, Any]:
+    """A copy of ``mapping`` with ``value`` at the path ``parts`` (nested mappings made as needed)."""
+    name, rest = parts[0], parts[1:]
+    inner = mapping.get(name)
+    return {**mapping, name: with_item(inner if isinstance(inner, dict) else {}, rest, value) if rest else value}
 
 
 # --------------------------------------------------------------------- dump

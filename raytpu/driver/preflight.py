@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,21 @@ def check_storage_location(storage: str, what: str) -> None:
         check_bucket(storage, what)
     elif Path(storage).exists() and not Path(storage).is_dir():
         raise ConfigError(f"{what} {storage!r} is a file; runs are written to a folder: pass another path")
+    else:
+        check_writable_folder(Path(storage), what)
+
+
+def check_writable_folder(folder: Path, what: str) -> None:
+    """``folder`` exists (made here if not) and takes a file, or a one-line error naming ``what``."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".raytpu-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"{what}={folder}: cannot create or write this folder ({exc.strerror or exc}): "
+            "pass a folder you may write, e.g. ./results, or a bucket (gs://BUCKET/PREFIX, s3://BUCKET/PREFIX)"
+        ) from None
 
 
 def check_bucket(location: str, what: str, timeout_s: float = BUCKET_TIMEOUT_S) -> None:
