@@ -42,6 +42,7 @@ def ray_session(stores):
 
     from raytpu.driver.cluster import connect
 
+    assert not ray.is_initialized(), "an earlier command left its Ray instance running (it would miss the stores)"
     os.environ.pop("RAY_ADDRESS", None)
     connect("local")  # a fresh instance even when another Ray runs on this machine
     yield ray

@@ -12,12 +12,16 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 #: credentials the tests give their S3 server: fake, and distinctive, so that a test can look for them
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "raytpu-test-key-id", "AWS_SECRET_ACCESS_KEY": "raytpu-test-secret-key"}
-BUCKET = "raytpu-test"
+#: the tests' bucket: a new name each session (the test processes it starts inherit it), so that
+#: nothing staged on this machine by an earlier session (``raytpu.storage.run_folder.STAGING``,
+#: keyed by the run's URI) is taken for this session's files
+BUCKET = os.environ.setdefault("RAYTPU_TEST_BUCKET", f"raytpu-test-{uuid.uuid4().hex[:12]}")
 
 
 @dataclass

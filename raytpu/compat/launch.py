@@ -150,9 +150,11 @@ def check(settings: LaunchSettings) -> None:
 # ------------------------------------------------------------------ the run
 def main(args: Any, address: str | None) -> int:
     """``raytpu launch``: run the script on Ray Train workers; the script's exit status."""
+    from raytpu.driver.cluster import ray_for_this_command
+
     settings = settings_from(args)
-    plan = plan_launch(settings, address)
-    return run(plan)
+    with ray_for_this_command():
+        return run(plan_launch(settings, address))
 
 
 def plan_launch(settings: LaunchSettings, address: str | None) -> Plan:

@@ -7,13 +7,15 @@ waits on an address that does not answer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -27,6 +29,8 @@ PROBE_MARK = "RAYTPU_CLUSTER "
 PROBE_ERROR_MARK = "RAYTPU_CLUSTER_ERROR "
 #: the variable that sets the port of a new local instance's GCS (read by Ray when it starts one)
 GCS_PORT = "RAY_GCS_SERVER_PORT"
+#: a cluster's GCS address (``10.0.0.2:6379``), as ``ray start`` prints it; not ``auto`` nor ``ray://``
+GCS_ADDRESS = re.compile(r"^[\w.-]+:\d+$")
 #: the addresses of the local instances this process started
 STARTED_HERE: list[str] = []
 
@@ -191,6 +195,8 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
         port = free_port()
         os.environ[GCS_PORT] = str(port)
         env["RAY_ADDRESS"] = f"{ray.util.get_node_ip_address()}:{port}"
+    elif GCS_ADDRESS.match(address):
+        env["RAY_ADDRESS"] = address  # the same for a cluster joined by its GCS address
     if not verbose:
         quiet_ray()
     try:
@@ -217,6 +223,17 @@ def leave(keep: Collection[str] = ()) -> None:
         ray.shutdown()
         STARTED_HERE.remove(address)
         os.environ.pop("RAY_ADDRESS", None)
+
+
+@contextlib.contextmanager
+def ray_for_this_command() -> Iterator[None]:
+    """The block is one command: a local Ray instance it starts is stopped when it ends, however
+    it ends (an error found after joining, a failed run); one that ran before it keeps running."""
+    before = tuple(STARTED_HERE)
+    try:
+        yield
+    finally:
+        leave(keep=before)
 
 
 def joined() -> str:

@@ -28,7 +28,7 @@ from raytpu.config import Config, ConfigError, dump_yaml, with_values
 from raytpu.config.batching import BatchPlan
 from raytpu.config.plan import Plan, resolve_config, storage_of
 from raytpu.driver import preflight
-from raytpu.driver.cluster import STARTED_HERE, check_reachable, connect, joined, leave
+from raytpu.driver.cluster import STARTED_HERE, check_reachable, connect, joined, leave, ray_for_this_command
 from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunFailed, RunStopped
 from raytpu.job import Job, Synthesizes
@@ -237,7 +237,12 @@ def train(
     with the run's goodput. ``started``: when the command started (default: now)."""
     command = Command(started=started or time.time())
     instances = tuple(STARTED_HERE)  # Ray instances of this process that the command did not start
-    plan = dataclasses.replace(plan_run(cfg, job, "train", address, local), command=command.id, started=command.started)
+    try:
+        plan = plan_run(cfg, job, "train", address, local)
+    except BaseException:
+        leave(keep=instances)
+        raise
+    plan = dataclasses.replace(plan, command=command.id, started=command.started)
     stage(plan)
     folder = RunFolder(plan.run_dir)
     timing.begin(folder, command)
@@ -314,6 +319,7 @@ def test(cfg: Config, job: Job, address: str | None = None) -> dict[str, float]:
     """Evaluate ``checkpoint.weights``; returns the test metrics."""
     from raytpu.driver.ray_trainer import build_trainer, run_trainer
 
-    plan = plan_run(cfg, job, "test", address)
-    result = run_trainer(build_trainer(plan))
+    with ray_for_this_command():
+        plan = plan_run(cfg, job, "test", address)
+        result = run_trainer(build_trainer(plan))
     return json.loads(RunFolder(located(plan, result.checkpoint)).read_text("test_metrics.json") or "{}")

@@ -27,6 +27,7 @@ from raytpu.config.args import extract
 from raytpu.config.batching import BatchPlan
 from raytpu.config.plan import Plan, resolve_config, storage_of
 from raytpu.driver import preflight
+from raytpu.driver.cluster import ray_for_this_command
 from raytpu.driver.ray_trainer import ray_storage
 from raytpu.driver.search import Search, parse_search, searches_of
 from raytpu.job import Job
@@ -365,7 +366,8 @@ def split_flags(overrides: list[str]) -> tuple[list[str], list[str], str | None]
 def main(config_path: str, overrides: list[str]) -> int:
     rest, tuned, address = split_flags(overrides)
     cfg, job = load_config(config_path, rest + tuned)
-    summary = run(cfg, job, address)
+    with ray_for_this_command():
+        summary = run(cfg, job, address)
     return 0 if summary.get("best_config") else 1
 
 
