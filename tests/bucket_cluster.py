@@ -33,26 +33,40 @@ def train(config: Path, storage: str, name: str, *extra: str) -> int:
     return cli.main(["train", str(config), *TINY, f"run.storage_path={storage}", f"run.name={name}", *extra])
 
 
-def kill_a_worker_after_the_first_checkpoint(folder: object, killed: list[int | str]) -> None:
+def kill_a_worker_after_the_first_checkpoint(folder: object, nodes: list[Path], killed: list[int | str]) -> None:
     """SIGKILL one of the run's Ray Train workers once a checkpoint is whole in the bucket (a
     failed look, a listing the store refused, is tried again; the last one is reported if none
-    succeeds, for the test to show)."""
-    from ray.util.state import list_actors
-
+    succeeds, for the test to show). The workers are found by their process title on this
+    cluster's worker nodes (their ``TMPDIR``), not through Ray's state API, which looks for a
+    dashboard and may find another instance's on this machine."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         try:
             names = [n for n in folder.children() if n.startswith("checkpoint_0")]
             if names and folder.exists(f"{names[0]}/meta.json"):
-                alive = [("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
-                workers = list_actors(filters=alive, detail=True)
+                workers = train_workers(nodes)
                 if workers:
-                    os.kill(workers[0].pid, signal.SIGKILL)
-                    killed[:] = [workers[0].pid]
+                    os.kill(workers[0], signal.SIGKILL)
+                    killed[:] = [workers[0]]
                     return
         except Exception as exc:  # noqa: BLE001 - reported in the test's JSON line
             killed[:] = [f"{type(exc).__name__}: {exc}"]
         time.sleep(0.2)
+
+
+def train_workers(nodes: list[Path]) -> list[int]:
+    """The pids of the Ray Train workers running on ``nodes`` (told apart by their ``TMPDIR``)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            title = (process.info["cmdline"] or [""])[0]
+            if title.startswith("ray::RayTrainWorker") and process.environ().get("TMPDIR") in map(str, nodes):
+                found.append(process.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return sorted(found)
 
 
 def leftovers(folders: list[Path]) -> list[str]:
@@ -83,7 +97,7 @@ def main(out: Path) -> None:
         os.environ["RAY_ADDRESS"] = cluster.address
         killed: list[int] = []
         folder = RunFolder(f"{RUNS}/killed")
-        killer = threading.Thread(target=kill_a_worker_after_the_first_checkpoint, args=(folder, killed))
+        killer = threading.Thread(target=kill_a_worker_after_the_first_checkpoint, args=(folder, node_tmp, killed))
         killer.start()
         codes = {"killed": train(config, RUNS, "killed", *data, "checkpoint.max_failures=1")}
         killer.join()
