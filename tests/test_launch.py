@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -197,6 +198,8 @@ def test_the_example_on_two_workers_equals_one_process_and_its_states_are_ray_ch
     first = states_of(run_dir)
     assert first == [f"state_{n:06d}" for n in (1, 2, 3, 4)], first  # 64 steps, a state every 16
     assert all((run_dir / name / "model.safetensors").is_file() for name in first)
+    saved = tmp_path / "two" / "state_000016" / "model.safetensors"  # the script's own first save_state
+    assert os.path.samefile(run_dir / "state_000001" / "model.safetensors", saved)  # stored once: a hard link
     assert snapshot_names(run_dir) == first
     marks, names = traced_steps(run_dir / "profile" / "rank_0.pt.trace.json")  # --profile 3:4, rank 0 only
     assert marks == {"raytpu step 3", "raytpu step 4"} and "aten::addmm" in names
@@ -263,11 +266,74 @@ def test_a_raising_script_is_its_traceback_then_one_line_and_sys_exit_is_the_sta
     raising.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('bad batch 7')\n")
     capfd.readouterr()
     assert launch(tmp_path, "raising", "--num_processes", "2", "--max-failures", "2", str(raising)) == 1
-    err = capfd.readouterr().err.strip().splitlines()
-    assert "Traceback" in "\n".join(err) and err[-1] == "raytpu: error: rank 1: ValueError: bad batch 7", err[-8:]
+    out, err = capfd.readouterr()
+    lines = err.strip().splitlines()
+    assert lines[-1] == "raytpu: error: rank 1: ValueError: bad batch 7", lines[-8:]
+    shown = out + err  # the script's traceback once, its own frames only, and nothing of Ray Train's
+    assert shown.count("Traceback (most recent call last)") == 1 and f'File "{raising}", line 3' in shown, shown
+    assert not [mark for mark in ("Error in training function", "raytpu/", "ray/train") if mark in shown], shown
     exiting = tmp_path / "exiting.py"
     exiting.write_text("import sys\nsys.exit(3)\n")
     assert launch(tmp_path, "exiting", "--num_processes", "2", str(exiting)) == 3
+
+
+CONSOLE_SCRIPT = """
+import logging, os, sys, time
+from tqdm import tqdm
+
+logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S",
+                    handlers=[logging.StreamHandler(sys.stdout)])
+logger = logging.getLogger(__name__)
+logger.setLevel(logging.INFO)
+logger.warning("Process rank: %s, world size: %s", os.environ["RANK"], os.environ["WORLD_SIZE"])
+logger.info("training starts")
+logging.getLogger("elsewhere").info("below the root level")
+for _ in tqdm(range(40), desc="steps", mininterval=0):
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.integration
+def test_the_console_is_the_script_s_own_on_a_terminal_beside_another_ray_instance(ray_session, tmp_path):
+    """Under a pseudo-terminal, with the test session's Ray instance running beside the one the
+    command starts: rank 0's logging in the script's own format and stream, its progress bar
+    redrawn in place (``\\r``), rank 1's lines in its log file, and nothing of Ray."""
+    import pty
+
+    script = tmp_path / "console.py"
+    script.write_text(CONSOLE_SCRIPT)
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    command = [str(Path(sys.executable).with_name("raytpu")), "launch", "--num_processes", "2"]
+    command += ["--storage-path", str(tmp_path / "runs"), "--name", "console", str(script)]
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdin=terminal, stdout=terminal, stderr=terminal)
+    os.close(terminal)
+    shown = read_terminal(controller)
+    assert process.wait(timeout=300) == 0, shown[-3000:]
+    text = shown.decode(errors="replace")
+    line = r"\d\d/\d\d/\d{4} \d\d:\d\d:\d\d - WARNING - __main__ - Process rank: 0, world size: 2"
+    assert re.search(line, text) and " - INFO - __main__ - training starts" in text, text[-3000:]
+    assert "below the root level" not in text and "Process rank: 1" not in text
+    assert len(re.findall(rb"\r(?!\n)", shown)) >= 20, shown[-2000:]  # redrawn, not a line per refresh
+    assert len([line for line in text.split("\n") if "steps:" in line]) == 1, text[-3000:]  # one line, redrawn
+    leaked = [mark for mark in ("Traceback", "multiple active Ray instances", "RayTrainWorker pid") if mark in text]
+    assert not leaked, text[-3000:]
+    assert re.search(line.replace("rank: 0", "rank: 1"), log_of(tmp_path, "console", 1))
+
+
+def read_terminal(controller: int) -> bytes:
+    """Everything written to a pseudo-terminal until its last writer closes it."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # EIO: every process holding the terminal has ended
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(controller)
+    return b"".join(chunks)
 
 
 @pytest.mark.integration

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,7 +205,8 @@ def run(plan: Plan) -> int:
     assert plan.script is not None
     state = ray.remote(num_cpus=0)(LaunchState).options(name=plan.script.state).remote(plan.script.last_checkpoint)
     try:
-        build_trainer(plan).fit()
+        with ConsoleRelay(state):
+            build_trainer(plan).fit()
     except TrainingFailedError as exc:
         if ray.get(state.failure.remote()) is None:  # a lost process, retried up to --max-failures
             raise RunFailed(*root_cause(exc)) from exc
@@ -218,6 +220,42 @@ def run(plan: Plan) -> int:
         raise RunFailed(f"rank {rank}: {last}", details)
     print(f"raytpu: rank {rank} exited with status {code}", file=sys.stderr, flush=True)
     return code
+
+
+class ConsoleRelay:
+    """Rank 0's output on this console as its script wrote it, while the block runs: taken from
+    the run's :class:`~raytpu.compat.script_runner.LaunchState` every tenth of a second by a thread,
+    and what is left once the block ends."""
+
+    def __init__(self, state: Any, every_s: float = 0.1) -> None:
+        self.state, self.every_s = state, every_s
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._relay, daemon=True)
+
+    def __enter__(self) -> ConsoleRelay:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.done.set()
+        self.thread.join()
+        self._write()
+
+    def _relay(self) -> None:
+        while not self.done.wait(self.every_s):
+            self._write()
+
+    def _write(self) -> None:
+        import ray
+
+        for stream, chunk in ray.get(self.state.take_output.remote()):
+            out = sys.stdout if stream == 1 else sys.stderr
+            out.flush()
+            if hasattr(out, "buffer"):
+                out.buffer.write(chunk)
+                out.buffer.flush()
+            else:  # a text stream put in its place (redirect_stdout)
+                out.write(chunk.decode(errors="replace"))
 
 
 def checkpoint_names(run_dir: RunFolder) -> list[str]:

@@ -23,6 +23,8 @@ restarted worker finds the reporter's latest checkpoint in ``RAYTPU_RESUME_FROM`
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
 import runpy
@@ -31,7 +33,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +90,7 @@ class LaunchState:
         self.finished: set[int] = set()
         self.failed: tuple[int, int, str] | None = None
         self.workers: dict[int, Any] = {}
+        self.console: list[tuple[int, bytes]] = []
 
     def register(self, rank: int, actor: Any) -> None:
         """This attempt's worker actor of ``rank`` (a restart registers the new ones)."""
@@ -122,6 +125,15 @@ class LaunchState:
         self.read = max(self.read, len(self.entries))
         return self.entries[index:], len(self.finished) >= world or self.failed is not None
 
+    def write(self, stream: int, chunk: bytes) -> None:
+        """Rank 0's output, as its script wrote it (``stream`` 1: stdout, 2: stderr)."""
+        self.console.append((stream, chunk))
+
+    def take_output(self) -> list[tuple[int, bytes]]:
+        """The output written since the last call, in order, for the driver's console."""
+        taken, self.console = self.console, []
+        return taken
+
     def fail(self, rank: int, code: int, details: str) -> None:
         if self.failed is None:
             self.failed = (rank, code, details)
@@ -143,7 +155,7 @@ def run_script_worker(plan: Plan, seat: Any, reporter: Reporter) -> None:
     folder = RunFolder(plan.run_dir)
     log = f"logs/rank_{rank}.log"
     folder.local("logs")
-    restore_output = capture_output(folder.local() / log, to_console=rank == 0)
+    restore_output = capture_output(folder.local() / log, console=state if rank == 0 else None)
     runtime = plan.config.scaling.runtime
     if runtime == "xla":
         os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
@@ -207,16 +219,46 @@ def run_script(script: ScriptPlan) -> tuple[int, str]:
     sys.argv = [script.path, *script.args]
     sys.path.insert(0, str(Path(script.path).parent))
     try:
-        runpy.run_path(script.path, run_name="__main__")
+        with fresh_root_logger():
+            runpy.run_path(script.path, run_name="__main__")
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
         return code, "" if isinstance(exit_.code, int) or exit_.code is None else str(exit_.code)
-    except BaseException:  # the script's own error: its traceback, then the run ends
-        return 1, traceback.format_exc()
+    except BaseException as exc:  # the script's own error: its traceback, then the run ends
+        return 1, script_traceback(exc, script.path)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
     return 0, ""
+
+
+def script_traceback(exc: BaseException, path: str) -> str:
+    """``exc``'s traceback from the script's own first frame on, as Python prints it when it runs
+    the script itself (without the frames of raytpu and runpy that ran it)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != path:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+
+
+@contextlib.contextmanager
+def fresh_root_logger() -> Iterator[None]:
+    """The root logger as a new Python process has it (no handler, level WARNING) while the script
+    runs: a Ray worker's root logger carries Ray's handlers, so the script's own
+    ``logging.basicConfig(format=..., level=..., handlers=...)`` would do nothing."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    for handler in handlers:
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for handler in root.handlers[:]:
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
 
 
 def process_environment(script: ScriptPlan, runtime: str) -> dict[str, str]:
@@ -305,9 +347,11 @@ def report_published(state: Any, reporter: Reporter, first: int, folder: RunFold
         time.sleep(0.2)
 
 
-def capture_output(log_file: Path, to_console: bool) -> Callable[[], None]:
-    """This process's stdout and stderr (fd 1 and 2, so C++ output too) into ``log_file``; rank 0's
-    also to the console, through pipes copied by threads. Returns what puts them back (and waits
+def capture_output(log_file: Path, console: Any = None) -> Callable[[], None]:
+    """This process's stdout and stderr (fd 1 and 2, so C++ output too) into ``log_file``; with
+    ``console`` (the run's :class:`LaunchState`, on rank 0) also to the driver's console, byte for
+    byte (a progress bar's ``\\r`` kept), through pipes copied by threads: not through Ray's log
+    streaming, which splits output into prefixed lines. Returns what puts them back (and waits
     for the copies to finish)."""
     log = open(log_file, "ab", buffering=0)  # noqa: SIM115 (closed by the returned function)
     lock = threading.Lock()
@@ -316,13 +360,13 @@ def capture_output(log_file: Path, to_console: bool) -> Callable[[], None]:
     saved = {fd: os.dup(fd) for fd in (1, 2)}
     copiers = []
     for fd in (1, 2):
-        if not to_console:
+        if console is None:
             os.dup2(log.fileno(), fd)
             continue
         read, write = os.pipe()
         os.dup2(write, fd)
         os.close(write)
-        copiers.append(threading.Thread(target=copy_lines, args=(read, saved[fd], log, lock), daemon=True))
+        copiers.append(threading.Thread(target=copy_output, args=(read, fd, console, log, lock), daemon=True))
         copiers[-1].start()
 
     def restore() -> None:
@@ -330,6 +374,7 @@ def capture_output(log_file: Path, to_console: bool) -> Callable[[], None]:
         sys.stderr.flush()
         for fd, original in saved.items():
             os.dup2(original, fd)  # closes the pipes' write ends: the copiers reach the end
+            os.close(original)
         for copier in copiers:
             copier.join(timeout=10)
         log.close()
@@ -337,9 +382,13 @@ def capture_output(log_file: Path, to_console: bool) -> Callable[[], None]:
     return restore
 
 
-def copy_lines(read: int, console: int, log: Any, lock: threading.Lock) -> None:
+def copy_output(read: int, stream: int, console: Any, log: Any, lock: threading.Lock) -> None:
+    """Each chunk read from ``read`` to the log file and to the driver's console (in order: the
+    actor runs one call at a time, and each is sent only once the previous one is taken)."""
+    import ray
+
     with os.fdopen(read, "rb", buffering=0) as source:
         for chunk in iter(lambda: source.read(65536), b""):
-            os.write(console, chunk)
+            ray.get(console.write.remote(stream, chunk))
             with lock:
                 log.write(chunk)
