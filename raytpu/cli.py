@@ -130,7 +130,7 @@ def dispatch(args: argparse.Namespace, started: float) -> int:
     if args.command == "launch":
         from raytpu.compat import launch
 
-        return launch.main(args, args.address)
+        return launch.main(args, args.address, started)
     if args.command == "tune":
         from raytpu.driver import tune
 

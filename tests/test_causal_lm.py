@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow.fs as pafs
 import pytest
 import torch
 import yaml
@@ -18,11 +19,13 @@ from raytpu.config.args import ConfigError
 from raytpu.config.plan import resolve_config
 from raytpu.jobs.causal_lm import corpus
 from raytpu.runtime import make_runtime
+from raytpu.storage.run_folder import RunFolder
 from raytpu.worker import checkpoint as ckpt
 from raytpu.worker.cadence import Cadence
 from raytpu.worker.loop import Callback, Trainer
 from raytpu.worker.reporting import FolderReporter
 from tests.conftest import ROOT, run_python
+from tests.stores import BUCKET
 
 SMALL = str(ROOT / "jobs" / "causal_lm" / "small.yaml")
 
@@ -282,9 +285,10 @@ def test_transformers_config_fields_from_the_command_line_typed_by_its_class(wor
         assert getattr(config, name) == value and type(getattr(config, name)) is type(value), name
 
 
-def test_a_model_config_field_set_on_the_command_line_trains_and_exports(data, tmp_path):
+def test_a_model_config_field_set_on_the_command_line_trains_and_exports(data, tmp_path, stores):
     """``job.model_config.num_hidden_layers=3`` trains a 3-layer model: the run's config.yaml and
-    the export's config.json say 3, and the checkpoint holds exactly three layers."""
+    the export's config.json say 3, and the checkpoint holds exactly three layers; the same
+    checkpoint exported from a bucket gives the same files."""
     three = "job.model_config.num_hidden_layers=3"
     where = [f"data.path={data}", f"run.storage_path={tmp_path}", "run.name=three", "job.sample_tokens=0"]
     short = ["scaling.num_workers=1", "data.global_batch_size=4", "loop.max_steps=2", "logging.progress_bar=false"]
@@ -299,6 +303,12 @@ def test_a_model_config_field_set_on_the_command_line_trains_and_exports(data, t
         cli.main(["export", SMALL, three, f"data.path={data}", "--checkpoint", str(checkpoint), "--out", str(out)]) == 0
     )
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 3
+    bucket = RunFolder(f"s3://{BUCKET}/export-{tmp_path.name}")
+    pafs.copy_files(str(checkpoint), bucket.path(checkpoint.name), destination_filesystem=bucket.fs)
+    remote = ["--checkpoint", bucket.uri(checkpoint.name), "--out", str(tmp_path / "from-bucket")]
+    assert cli.main(["export", SMALL, three, f"data.path={data}", *remote]) == 0
+    exported = (tmp_path / "from-bucket" / "model.safetensors").read_bytes()
+    assert exported == (out / "model.safetensors").read_bytes()
 
 
 # ------------------------------------------------------------------ training on Ray

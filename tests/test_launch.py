@@ -119,21 +119,30 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
 
 
 def test_metrics_logged_between_polls_become_one_report_and_polled_entries_never_change():
-    """Every worker reports the same entries (each report is a barrier), however its polls fall."""
+    """Every worker reports the same entries (each report is a barrier), however its polls fall:
+    rank 0's polls freeze them, another rank's see only what rank 0 froze."""
     from raytpu.compat.script_runner import LaunchState
 
     state = LaunchState()
     for step in range(3):
         state.publish("metrics", {"loss": float(step), f"m{step}": 1.0})
-    fast, _ = state.poll(0, 2)  # one worker reads now
+    early, last = state.poll(0, 2, rank=1)  # rank 1 before rank 0 read anything: nothing yet
+    assert early == [] and not last
+    first, _ = state.poll(0, 2, rank=0)
     state.publish("metrics", {"loss": 9.0})
     state.publish("checkpoint", "/state_1")
     state.publish("metrics", {"loss": 10.0})
+    between, _ = state.poll(0, 2, rank=1)  # rank 1's poll freezes nothing: the next metrics still merge
     state.publish("metrics", {"acc": 0.5})
-    slow, _ = state.poll(0, 2)  # the other one only now
-    assert fast == [("metrics", {"loss": 2.0, "m0": 1.0, "m1": 1.0, "m2": 1.0})] == slow[:1]
+    state.finish(0)
+    state.finish(1)
+    _, last = state.poll(1, 2, rank=1)
+    assert not last  # rank 0 has not read the end yet
+    later, last = state.poll(1, 2, rank=0)
+    assert last and first == between == [("metrics", {"loss": 2.0, "m0": 1.0, "m1": 1.0, "m2": 1.0})]
     checkpoint = ("checkpoint", ("/state_1", "state_000001"))
-    assert slow[1:] == [("metrics", {"loss": 9.0}), checkpoint, ("metrics", {"loss": 10.0, "acc": 0.5})]
+    assert later == [("metrics", {"loss": 9.0}), checkpoint, ("metrics", {"loss": 10.0, "acc": 0.5})]
+    assert state.poll(1, 2, rank=1) == (later, True)
 
 
 def test_checkpoints_published_in_a_rerun_are_numbered_after_the_run_s_own():
@@ -147,7 +156,7 @@ def test_checkpoints_published_in_a_rerun_are_numbered_after_the_run_s_own():
     state.publish("checkpoint", "/out/a")
     state.publish("metrics", {"loss": 1.0})
     state.publish("checkpoint", "/out/b")
-    entries, _ = state.poll(0, 1)
+    entries, _ = state.poll(0, 1, rank=0)
     assert [value for kind, value in entries if kind == "checkpoint"] == [
         ("/out/a", "state_000008"),
         ("/out/b", "state_000009"),
@@ -201,6 +210,12 @@ def test_the_example_on_two_workers_equals_one_process_and_its_states_are_ray_ch
     saved = tmp_path / "two" / "state_000016" / "model.safetensors"  # the script's own first save_state
     assert os.path.samefile(run_dir / "state_000001" / "model.safetensors", saved)  # stored once: a hard link
     assert snapshot_names(run_dir) == first
+    record = json.loads((run_dir / "goodput.json").read_text())  # the launch's time, as a train's
+    (command,) = record["commands"]
+    assert command["outcome"] == "completed" and len(command["attempts"]) == 1
+    assert set(command["marks"]) == {"connect", "connected", "fit", "fitted"}
+    assert sum(record["categories"].values()) == pytest.approx(record["wall_s"])
+    assert record["categories"]["productive"] > 0 and record["categories"]["startup"] > 0
     marks, names = traced_steps(run_dir / "profile" / "rank_0.pt.trace.json")  # --profile 3:4, rank 0 only
     assert marks == {"raytpu step 3", "raytpu step 4"} and "aten::addmm" in names
     assert [p.name for p in (run_dir / "profile").iterdir()] == ["rank_0.pt.trace.json"]
@@ -261,7 +276,7 @@ def test_a_killed_process_restarts_from_the_last_saved_state_in_a_bucket(ray_ses
 
 
 @pytest.mark.integration
-def test_a_raising_script_is_its_traceback_then_one_line_and_sys_exit_is_the_status(ray_session, tmp_path, capfd):
+def test_a_raising_script_is_its_traceback_then_one_line(ray_session, tmp_path, capfd):
     raising = tmp_path / "raising.py"
     raising.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('bad batch 7')\n")
     capfd.readouterr()
@@ -272,9 +287,6 @@ def test_a_raising_script_is_its_traceback_then_one_line_and_sys_exit_is_the_sta
     shown = out + err  # the script's traceback once, its own frames only, and nothing of Ray Train's
     assert shown.count("Traceback (most recent call last)") == 1 and f'File "{raising}", line 3' in shown, shown
     assert not [mark for mark in ("Error in training function", "raytpu/", "ray/train") if mark in shown], shown
-    exiting = tmp_path / "exiting.py"
-    exiting.write_text("import sys\nsys.exit(3)\n")
-    assert launch(tmp_path, "exiting", "--num_processes", "2", str(exiting)) == 3
 
 
 CONSOLE_SCRIPT = """
@@ -290,6 +302,7 @@ logger.info("training starts")
 logging.getLogger("elsewhere").info("below the root level")
 for _ in tqdm(range(40), desc="steps", mininterval=0):
     time.sleep(0.01)
+sys.exit(3)
 """
 
 
@@ -297,7 +310,8 @@ for _ in tqdm(range(40), desc="steps", mininterval=0):
 def test_the_console_is_the_script_s_own_on_a_terminal_beside_another_ray_instance(ray_session, tmp_path):
     """Under a pseudo-terminal, with the test session's Ray instance running beside the one the
     command starts: rank 0's logging in the script's own format and stream, its progress bar
-    redrawn in place (``\\r``), rank 1's lines in its log file, and nothing of Ray."""
+    redrawn in place (``\\r``), rank 1's lines in its log file, nothing of Ray, and the script's
+    ``sys.exit(3)`` the command's status."""
     import pty
 
     script = tmp_path / "console.py"
@@ -309,7 +323,7 @@ def test_the_console_is_the_script_s_own_on_a_terminal_beside_another_ray_instan
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdin=terminal, stdout=terminal, stderr=terminal)
     os.close(terminal)
     shown = read_terminal(controller)
-    assert process.wait(timeout=300) == 0, shown[-3000:]
+    assert process.wait(timeout=300) == 3, shown[-3000:]
     text = shown.decode(errors="replace")
     line = r"\d\d/\d\d/\d{4} \d\d:\d\d:\d\d - WARNING - __main__ - Process rank: 0, world size: 2"
     assert re.search(line, text) and " - INFO - __main__ - training starts" in text, text[-3000:]

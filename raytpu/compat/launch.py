@@ -11,10 +11,13 @@ when the script runs without ``raytpu launch``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +32,8 @@ from raytpu.errors import ConfigError, RunFailed
 from raytpu.runtime.base import resolve_precision
 from raytpu.storage.filesystems import join
 from raytpu.storage.run_folder import RunFolder
+from raytpu.worker import timing
+from raytpu.worker.timing import Command
 
 #: ``--mixed_precision`` (Accelerate's names) -> raytpu's precision policy, and back
 PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "auto": "auto"}
@@ -149,17 +154,34 @@ def check(settings: LaunchSettings) -> None:
 
 
 # ------------------------------------------------------------------ the run
-def main(args: Any, address: str | None) -> int:
-    """``raytpu launch``: run the script on Ray Train workers; the script's exit status."""
+def main(args: Any, address: str | None, started: float | None = None) -> int:
+    """``raytpu launch``: run the script on Ray Train workers; the script's exit status. Its time
+    goes into the run's ``goodput.json`` as a ``raytpu train``'s does: start-up to the script's
+    start on rank 0, the script, and the end (``started``: when the command started)."""
     from raytpu.driver.cluster import ray_for_this_command
 
     settings = settings_from(args)
-    with ray_for_this_command():
-        return run(plan_launch(settings, address))
+    command, marks = Command(started=started or time.time()), {}
+    folder, outcome = None, "failed"
+    try:
+        with ray_for_this_command():
+            plan = dataclasses.replace(
+                plan_launch(settings, address, marks), command=command.id, started=command.started
+            )
+            folder = RunFolder(plan.run_dir)
+            timing.begin(folder, command)
+            code = run(plan, marks)
+            outcome = "completed" if code == 0 else "failed"
+        return code
+    finally:
+        if folder is not None:
+            with contextlib.suppress(OSError):  # a store that stopped answering keeps the record it has
+                timing.end(folder, command, outcome, marks)
 
 
-def plan_launch(settings: LaunchSettings, address: str | None) -> Plan:
-    """The checks, the cluster joined, and the launch's plan (the script's own, and its processes')."""
+def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, float] | None = None) -> Plan:
+    """The checks, the cluster joined, and the launch's plan (the script's own, and its processes');
+    ``marks`` gets when the driver began and ended joining Ray."""
     from raytpu.driver import preflight
     from raytpu.driver.cluster import check_reachable, connect
     from raytpu.driver.runs import cluster_accelerators
@@ -168,7 +190,10 @@ def plan_launch(settings: LaunchSettings, address: str | None) -> Plan:
     cfg = settings.config
     preflight.check_storage(cfg)
     check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
+    marks = {} if marks is None else marks
+    marks["connect"] = time.time()
     connect(address, verbose=cfg.logging.verbose)
+    marks["connected"] = time.time()
     accelerators = cluster_accelerators()
     runtime = pick_runtime(cfg.scaling.runtime, accelerators["TPU"] > 0, accelerators["GPU"] > 0)
     precision, warning = resolve_precision(runtime, PRECISIONS[settings.mixed_precision])
@@ -194,8 +219,9 @@ def plan_launch(settings: LaunchSettings, address: str | None) -> Plan:
     return Plan(config=cfg, mode="launch", storage=storage, name=cfg.run.name, script=script)
 
 
-def run(plan: Plan) -> int:
-    """The launch's ``TorchTrainer`` to the end; the script's exit status (its own error: one line)."""
+def run(plan: Plan, marks: dict[str, float] | None = None) -> int:
+    """The launch's ``TorchTrainer`` to the end; the script's exit status (its own error: one line).
+    ``marks`` gets when the trainer was started and when it returned."""
     import ray
     from ray.train import TrainingFailedError
 
@@ -204,12 +230,16 @@ def run(plan: Plan) -> int:
 
     assert plan.script is not None
     state = ray.remote(num_cpus=0)(LaunchState).options(name=plan.script.state).remote(plan.script.last_checkpoint)
+    marks = {} if marks is None else marks
+    marks["fit"] = time.time()
     try:
         with ConsoleRelay(state):
             build_trainer(plan).fit()
     except TrainingFailedError as exc:
         if ray.get(state.failure.remote()) is None:  # a lost process, retried up to --max-failures
             raise RunFailed(*root_cause(exc)) from exc
+    finally:
+        marks["fitted"] = time.time()
     failure = ray.get(state.failure.remote())
     print(f"raytpu: logs of every process: {join(plan.run_dir, 'logs')}", flush=True)
     if failure is None:

@@ -28,10 +28,12 @@ import logging
 import os
 import re
 import runpy
+import select
 import sys
 import threading
 import time
 import traceback
+import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -45,6 +47,8 @@ from raytpu.worker.reporting import Reporter
 STATE_ENV = "RAYTPU_LAUNCH_STATE"
 #: environment variable holding the checkpoint a restarted script resumes from
 RESUME_ENV = "RAYTPU_RESUME_FROM"
+#: seconds between two freezes of the published entries while the script runs (see ``LaunchState.poll``)
+FREEZE_EVERY_S = 1.0
 #: seconds between copies of the processes' logs to a bucket run folder (and at the end)
 LOG_SYNC_S = 10.0
 
@@ -87,6 +91,7 @@ class LaunchState:
         self.checkpoints = last_checkpoint
         self.entries: list[tuple[str, Any]] = []
         self.read = 0  # entries before this index were polled by a worker: they never change again
+        self.frozen_at = -FREEZE_EVERY_S  # when rank 0's poll last froze the entries
         self.finished: set[int] = set()
         self.failed: tuple[int, int, str] | None = None
         self.workers: dict[int, Any] = {}
@@ -118,12 +123,20 @@ class LaunchState:
     def size(self) -> int:
         return len(self.entries)
 
-    def poll(self, index: int, world: int) -> tuple[list[tuple[str, Any]], bool]:
-        """The entries from ``index`` on, and whether they are the last (every rank finished, or
-        the script failed): one actor call, so the two answers agree. Every worker sees the same
-        entries, whenever it polls: a polled entry is never merged into again."""
-        self.read = max(self.read, len(self.entries))
-        return self.entries[index:], len(self.finished) >= world or self.failed is not None
+    def poll(self, index: int, world: int, rank: int = 0) -> tuple[list[tuple[str, Any]], bool]:
+        """The entries from ``index`` on that rank 0 has read, and whether they are the last (every
+        rank finished and rank 0 has read them all, or the script failed): one actor call, so the
+        two answers agree. Only rank 0's poll freezes entries (a read entry is never merged into
+        again), once per report of its own: had every worker's poll frozen them, polls falling
+        apart would split the metrics into one entry per poll, and a backlog of reports (each a
+        barrier of every worker that waits for the controller) would build up behind the script.
+        It freezes them at most every :data:`FREEZE_EVERY_S` while the script runs: a script that
+        logs every step makes about one report a second."""
+        ended = len(self.finished) >= world or self.failed is not None
+        if rank == 0 and (ended or time.monotonic() - self.frozen_at >= FREEZE_EVERY_S):
+            self.read, self.frozen_at = len(self.entries), time.monotonic()
+        last = (ended and self.read == len(self.entries)) or self.failed is not None
+        return self.entries[index : self.read], last
 
     def write(self, stream: int, chunk: bytes) -> None:
         """Rank 0's output, as its script wrote it (``stream`` 1: stdout, 2: stderr)."""
@@ -147,6 +160,7 @@ def run_script_worker(plan: Plan, seat: Any, reporter: Reporter) -> None:
     checkpoints and outcome."""
     import ray
 
+    entered = time.time()
     script, rank = plan.script, seat.rank
     assert script is not None
     state = ray.get_actor(script.state)
@@ -170,9 +184,12 @@ def run_script_worker(plan: Plan, seat: Any, reporter: Reporter) -> None:
     publisher = threading.Thread(target=report_published, args=(state, reporter, first, folder, log), daemon=True)
     publisher.start()
     profile = script_profile(plan, rank, folder)
+    began = time.time()
     code, details = run_script(script)
     if profile is not None:
         profile.remove()
+    if rank == 0 and plan.command:
+        record_script_time(folder, plan, (entered, began), final=code == 0)
     restore_output()
     folder.sync(log)
     if code and peer_lost(state, rank):
@@ -182,6 +199,17 @@ def run_script_worker(plan: Plan, seat: Any, reporter: Reporter) -> None:
         raise RuntimeError(f"the script exited with status {code}" + (f":\n{details}" if details else ""))
     ray.get(state.finish.remote(rank))
     publisher.join()
+
+
+def record_script_time(folder: RunFolder, plan: Plan, times: tuple[float, float], final: bool) -> None:
+    """Rank 0's script run as an attempt of the run's goodput record: from the script's start to
+    its end, all of it productive (raytpu cannot see inside a script's steps). ``times``: when this
+    worker began, and when the script started."""
+    from raytpu.worker.timing import Command, record_attempt
+
+    entered, began = times
+    attempt = {"id": uuid.uuid4().hex[:12], "entered": entered, "first_step": began, "recorded": time.time()}
+    record_attempt(folder, Command(plan.command, plan.started), {**attempt, "final": final, "seconds": {}})
 
 
 def script_profile(plan: Plan, rank: int, folder: RunFolder) -> Any:
@@ -329,7 +357,7 @@ def report_published(state: Any, reporter: Reporter, first: int, folder: RunFold
 
     done, metrics, synced = first, {}, time.monotonic()
     while True:
-        entries, final = ray.get(state.poll.remote(done, reporter.world))
+        entries, final = ray.get(state.poll.remote(done, reporter.world, reporter.rank))
         for kind, value in entries:
             done += 1
             if kind == "metrics":
@@ -350,15 +378,14 @@ def report_published(state: Any, reporter: Reporter, first: int, folder: RunFold
 def capture_output(log_file: Path, console: Any = None) -> Callable[[], None]:
     """This process's stdout and stderr (fd 1 and 2, so C++ output too) into ``log_file``; with
     ``console`` (the run's :class:`LaunchState`, on rank 0) also to the driver's console, byte for
-    byte (a progress bar's ``\\r`` kept), through pipes copied by threads: not through Ray's log
-    streaming, which splits output into prefixed lines. Returns what puts them back (and waits
-    for the copies to finish)."""
+    byte (a progress bar's ``\\r`` kept), through pipes read by one thread in the order the output
+    comes: not through Ray's log streaming, which splits output into prefixed lines. Returns what
+    puts them back (and waits for the copy to finish)."""
     log = open(log_file, "ab", buffering=0)  # noqa: SIM115 (closed by the returned function)
-    lock = threading.Lock()
     sys.stdout.flush()
     sys.stderr.flush()
     saved = {fd: os.dup(fd) for fd in (1, 2)}
-    copiers = []
+    pipes: dict[int, int] = {}
     for fd in (1, 2):
         if console is None:
             os.dup2(log.fileno(), fd)
@@ -366,29 +393,37 @@ def capture_output(log_file: Path, console: Any = None) -> Callable[[], None]:
         read, write = os.pipe()
         os.dup2(write, fd)
         os.close(write)
-        copiers.append(threading.Thread(target=copy_output, args=(read, fd, console, log, lock), daemon=True))
-        copiers[-1].start()
+        pipes[read] = fd
+    copier = threading.Thread(target=copy_output, args=(pipes, console, log), daemon=True) if pipes else None
+    if copier is not None:
+        copier.start()
 
     def restore() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         for fd, original in saved.items():
-            os.dup2(original, fd)  # closes the pipes' write ends: the copiers reach the end
+            os.dup2(original, fd)  # closes the pipes' write ends: the copy reaches their ends
             os.close(original)
-        for copier in copiers:
+        if copier is not None:
             copier.join(timeout=10)
         log.close()
 
     return restore
 
 
-def copy_output(read: int, stream: int, console: Any, log: Any, lock: threading.Lock) -> None:
-    """Each chunk read from ``read`` to the log file and to the driver's console (in order: the
-    actor runs one call at a time, and each is sent only once the previous one is taken)."""
+def copy_output(pipes: dict[int, int], console: Any, log: Any) -> None:
+    """Each chunk from the ``pipes`` (read end -> the stream it stands for) to the log file and to
+    the driver's console, one at a time in the order they can be read (stdout first when both can),
+    until both are closed."""
     import ray
 
-    with os.fdopen(read, "rb", buffering=0) as source:
-        for chunk in iter(lambda: source.read(65536), b""):
-            ray.get(console.write.remote(stream, chunk))
-            with lock:
-                log.write(chunk)
+    while pipes:
+        ready, _, _ = select.select(sorted(pipes, key=pipes.get), [], [])
+        for read in sorted(ready, key=pipes.get):
+            chunk = os.read(read, 65536)
+            if not chunk:
+                os.close(read)
+                del pipes[read]
+                continue
+            ray.get(console.write.remote(pipes[read], chunk))
+            log.write(chunk)

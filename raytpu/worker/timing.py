@@ -128,11 +128,7 @@ class StepClock:
         """Write this attempt into the run folder's record (at each checkpoint, and at the end)."""
         if self.folder is None or self.first_step is None:
             return
-        record = read_record(self.folder)
-        command = find_command(record, self.command)
-        attempts = [a for a in command["attempts"] if a["id"] != self.id]
-        command["attempts"] = [*attempts, self.attempt(final)]
-        write_record(self.folder, record)
+        record_attempt(self.folder, self.command, self.attempt(final))
 
     def goodput(self) -> float:
         """Productive time over the command's wall time so far (a running estimate, for reports)."""
@@ -167,6 +163,14 @@ def find_command(record: dict[str, Any], command: Command) -> dict[str, Any]:
     return entry
 
 
+def record_attempt(folder: RunFolder, command: Command, attempt: dict[str, Any]) -> None:
+    """Write (or rewrite) ``attempt`` of ``command`` into the run folder's record."""
+    record = read_record(folder)
+    entry = find_command(record, command)
+    entry["attempts"] = [*(a for a in entry["attempts"] if a["id"] != attempt["id"]), attempt]
+    write_record(folder, record)
+
+
 def begin(folder: RunFolder, command: Command) -> None:
     """The driver: this command starts a part of the run's record."""
     record = read_record(folder)
@@ -174,12 +178,15 @@ def begin(folder: RunFolder, command: Command) -> None:
     write_record(folder, record)
 
 
-def end(folder: RunFolder, command: Command, outcome: str) -> dict[str, Any]:
+def end(folder: RunFolder, command: Command, outcome: str, marks: dict[str, float] | None = None) -> dict[str, Any]:
     """The driver: this command ends (``completed``, ``stopped`` or ``failed``); the run's whole
-    breakdown written with the record and returned."""
+    breakdown written with the record and returned. ``marks``: named moments of the command (when
+    it joined Ray, ...), kept with it for a finer split of its start-up."""
     record = read_record(folder)
     entry = find_command(record, command)
     entry.update(ended=time.time(), outcome=outcome)
+    if marks:
+        entry["marks"] = {**entry.get("marks", {}), **marks}
     record.update(breakdown(record))
     write_record(folder, record)
     return record
