@@ -106,6 +106,7 @@ def test_a_run_in_s3_on_three_nodes_resumes_after_a_kill_bit_identical_to_a_loca
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-4000:]
+    assert "multiple active Ray instances" not in done.stdout + done.stderr  # the session's runs beside it
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["codes"] == {"killed": 0, "straight": 0}, report
     assert [type(pid) for pid in report["killed"]] == [int], report  # else the error that kept it alive
