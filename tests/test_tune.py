@@ -205,6 +205,7 @@ def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_sessi
     assert all(r["status"] == "stopped early" and r["reports"] == "1" for r in untrained), rows
     assert any(r["status"] == "done" and r["reports"] == "3" for r in trained), rows
     assert max(float(r["train/loss"]) for r in trained) < min(float(r["train/loss"]) for r in untrained), rows
+    assert all(0 < float(r["goodput"].rstrip("%")) <= 100 for r in rows), rows  # each trial's, in the table
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
