@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray instance for the whole session (starting Ray costs ~5-30 s)."""
+"""Shared fixtures: one local Ray instance for the whole session (starting Ray costs ~5-30 s), one per
+test process when pytest-xdist runs two (scripts/test.sh), each with its own storage servers."""
 
 from __future__ import annotations
 

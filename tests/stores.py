@@ -20,8 +20,10 @@ from typing import Any
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "raytpu-test-key-id", "AWS_SECRET_ACCESS_KEY": "raytpu-test-secret-key"}
 #: the tests' bucket: a new name each session (the test processes it starts inherit it), so that
 #: nothing staged on this machine by an earlier session (``raytpu.storage.run_folder.STAGING``,
-#: keyed by the run's URI) is taken for this session's files
-BUCKET = os.environ.setdefault("RAYTPU_TEST_BUCKET", f"raytpu-test-{uuid.uuid4().hex[:12]}")
+#: keyed by the run's URI) is taken for this session's files, nor another pytest-xdist worker's
+BUCKET = os.environ.setdefault(
+    "RAYTPU_TEST_BUCKET", f"raytpu-test-{os.environ.get('PYTEST_XDIST_WORKER', 'gw')}-{uuid.uuid4().hex[:12]}"
+)
 
 
 @dataclass

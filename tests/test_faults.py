@@ -22,13 +22,14 @@ from raytpu.worker import timing
 pytestmark = pytest.mark.integration
 
 #: 64 samples / global batch 8 = 8 steps per epoch, 3 epochs; a checkpoint (with an eval) at each
-#: epoch end; 0.2 s per step so that a run can be hit in the middle; known delays in loading (10 ms a
-#: sample, 4 samples per worker and step) and in each checkpoint write (0.2 s) for the goodput
+#: epoch end; 0.3 s per step so that a run can be hit in the middle; known delays in loading (10 ms a
+#: sample, 4 samples per worker and step) and in each checkpoint write (0.4 s) for the goodput, long
+#: beside the loop's own time even on a busy machine (the suite runs two test processes at once)
 COMMON = ["scaling.num_workers=2", "data.global_batch_size=8", "loop.epochs=3", "loop.log_every=8",
-          "job.step_sleep=0.2", "logging.progress_bar=false", "checkpoint.num_to_keep=5",
-          "job.item_sleep=0.01", "job.checkpoint_sleep=0.2"]  # fmt: skip
+          "job.step_sleep=0.3", "logging.progress_bar=false", "checkpoint.num_to_keep=5",
+          "job.item_sleep=0.01", "job.checkpoint_sleep=0.4"]  # fmt: skip
 #: what rank 0 of the uninterrupted run must show in each category: 24 steps, 3 checkpoints
-INJECTED = {"productive": 24 * 0.2, "input": 24 * 4 * 0.01, "checkpointing": 3 * 0.2}
+INJECTED = {"productive": 24 * 0.3, "input": 24 * 4 * 0.01, "checkpointing": 3 * 0.4}
 #: lines of Ray Train's own machinery that must not reach the console at default verbosity
 RAY_INTERNALS = ["Reporting training result", "Checkpoint successfully created", "repeated", "[Gloo]",
                  "PreemptionWatcher", "Token authentication", "log_deduplication", "TrainController"]  # fmt: skip
@@ -134,8 +135,9 @@ def test_a_raising_worker_ends_the_run_and_the_rerun_resumes(straight, capfd):
     assert [command["outcome"] for command in record["commands"]] == ["failed", "completed"]
     # steps 9-12 (after the checkpoint of step 8) ran in the failed command and again in the resumed
     # one: lost, with the failed command's end; only 8 + 16 steps are productive
-    assert record["categories"]["lost"] >= 4 * 0.2, record["categories"]
-    assert INJECTED["productive"] <= record["categories"]["productive"] <= 1.1 * INJECTED["productive"]
+    assert record["categories"]["lost"] >= 4 * 0.3, record["categories"]
+    assert [attempt["steps"] for command in record["commands"] for attempt in command["attempts"]] == [8, 16]
+    assert record["categories"]["productive"] >= INJECTED["productive"], record["categories"]
 
 
 def test_a_killed_worker_is_restarted_from_the_last_checkpoint(straight, capfd):

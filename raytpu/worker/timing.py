@@ -121,6 +121,7 @@ class StepClock:
             "first_step": self.first_step if self.first_step is not None else now,
             "recorded": now,
             "final": final,
+            "steps": len(self.step_times),
             "seconds": {**{name: self.seconds[name] for name in PHASES}, "compilation": self.compilation()},
         }
 
