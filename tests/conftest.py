@@ -19,6 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
+#: two test processes share the two cores (scripts/test.sh): with torch's two OpenMP threads in each,
+#: four threads spun against each other for two cores (a third of the CPU in the kernel, and the
+#: learning tests 5 to 8 times slower side by side); Ray's workers already run one thread each
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 #: Ray Train's controller polls its workers every 2 s: a run's end, or a worker's failure, is seen up
 #: to 2 s late, on every one of the suite's Ray Train runs (read by the controller actor, so set
 #: before the session's Ray instance and the Ray heads that tests start)
