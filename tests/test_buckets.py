@@ -93,8 +93,8 @@ def test_a_run_in_s3_on_three_nodes_resumes_after_a_kill_bit_identical_to_a_loca
     """MSHNet small on 2 workers of a head and two worker nodes, its folder in S3: a SIGKILLed
     worker after the first checkpoint, the group restarted from the bucket's checkpoint; the final
     weights equal those of the same run uninterrupted (in 2 local processes) in a local folder, bit
-    for bit, and so do
-    the test metrics of the two final checkpoints; nothing of the run is left on the nodes' disks."""
+    for bit, and so do the test metrics of the two final checkpoints; nothing of the run is left on
+    the nodes' disks."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run(
