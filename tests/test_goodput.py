@@ -64,6 +64,19 @@ def test_commands_and_attempts_add_up_to_the_wall_time_with_restarts_lost():
     assert timing.summary_line({**record, **result}).startswith("57.1% of 105.0 s (startup 15.0 s, compilation 3.0")
 
 
+def test_an_attempt_recorded_inside_a_phase_counts_the_phase_up_to_then():
+    """The loop records its attempt before a checkpoint becomes resumable (a worker killed right
+    after it loses none of the attempt), while the checkpointing phase is still running."""
+    clock = timing.StepClock(None, timing.Command("c", time.time()))
+    clock.step_started()
+    clock.step_ended()
+    with clock.phase("checkpointing"):
+        time.sleep(0.05)
+        inside = clock.attempt(final=False)["seconds"]["checkpointing"]
+    after = clock.attempt(final=False)["seconds"]["checkpointing"]
+    assert 0.05 <= inside <= after
+
+
 @pytest.mark.quiet  # the loop's own time, in the input and productive phases, grows on a busy machine
 def test_in_process_delays_land_in_their_categories_and_add_up_to_the_wall_time(tmp_path):
     cfg, job = load_config(None, [*BASE, *DELAYS])

@@ -419,6 +419,7 @@ class Trainer:
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
+        self.clock.record()  # before the checkpoint can be resumed from: a kill after it loses no time
         self.reporter.report(report, directory, f"checkpoint_{p.step:08d}")
         for callback in self.callbacks:
             callback.on_checkpoint(self, report)

@@ -67,6 +67,7 @@ class StepClock:
         self.seconds = dict.fromkeys((*PHASES, "compilation"), 0.0)
         self.step_times: list[float] = []
         self._step_start = 0.0
+        self._open_phase: tuple[str, float] | None = None
         self._compiled_seen = self._compile_seconds()
 
     def _compile_seconds(self) -> float:
@@ -96,10 +97,12 @@ class StepClock:
         started, compiled = time.time(), self._compiled_since()
         if self.first_step is not None:  # the step's, before an input wait in it
             self.seconds["compilation"] += compiled
+            self._open_phase = (name, started)
         try:
             yield
         finally:
             self._compiled_since()
+            self._open_phase = None
             if self.first_step is not None:
                 self.seconds[name] += time.time() - started
 
@@ -114,15 +117,19 @@ class StepClock:
         return sum(max(t - typical, 0.0) for t in self.step_times[:WARM_STEPS])
 
     def attempt(self, final: bool) -> dict[str, Any]:
-        """This attempt as the record keeps it."""
+        """This attempt as the record keeps it; a phase still running counts up to now."""
         now = time.time()
+        seconds = {name: self.seconds[name] for name in PHASES}
+        if self._open_phase is not None:
+            name, started = self._open_phase
+            seconds[name] += now - started
         return {
             "id": self.id,
             "first_step": self.first_step if self.first_step is not None else now,
             "recorded": now,
             "final": final,
             "steps": len(self.step_times),
-            "seconds": {**{name: self.seconds[name] for name in PHASES}, "compilation": self.compilation()},
+            "seconds": {**seconds, "compilation": self.compilation()},
         }
 
     def record(self, final: bool = False) -> None:
