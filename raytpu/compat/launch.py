@@ -179,7 +179,7 @@ def main(args: Any, address: str | None, started: float | None = None) -> int:
                 timing.end(folder, command, outcome, marks)
 
 
-def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, float] | None = None) -> Plan:
+def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, float]) -> Plan:
     """The checks, the cluster joined, and the launch's plan (the script's own, and its processes');
     ``marks`` gets when the driver began and ended joining Ray."""
     from raytpu.driver import preflight
@@ -190,7 +190,6 @@ def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, 
     cfg = settings.config
     preflight.check_storage(cfg)
     check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
-    marks = {} if marks is None else marks
     marks["connect"] = time.time()
     connect(address, verbose=cfg.logging.verbose)
     marks["connected"] = time.time()
@@ -219,7 +218,7 @@ def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, 
     return Plan(config=cfg, mode="launch", storage=storage, name=cfg.run.name, script=script)
 
 
-def run(plan: Plan, marks: dict[str, float] | None = None) -> int:
+def run(plan: Plan, marks: dict[str, float]) -> int:
     """The launch's ``TorchTrainer`` to the end; the script's exit status (its own error: one line).
     ``marks`` gets when the trainer was started and when it returned."""
     import ray
@@ -230,7 +229,6 @@ def run(plan: Plan, marks: dict[str, float] | None = None) -> int:
 
     assert plan.script is not None
     state = ray.remote(num_cpus=0)(LaunchState).options(name=plan.script.state).remote(plan.script.last_checkpoint)
-    marks = {} if marks is None else marks
     marks["fit"] = time.time()
     try:
         with ConsoleRelay(state):
