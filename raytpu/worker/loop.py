@@ -403,7 +403,6 @@ class Trainer:
     def _checkpoint(self, metrics: dict[str, float], reason: str = "scheduled") -> None:
         with self.clock.phase("checkpointing"):
             self._write_checkpoint(metrics, reason)
-        self.clock.record()
 
     def _write_checkpoint(self, metrics: dict[str, float], reason: str) -> None:
         board, p = self.scoreboard, self.progress
@@ -419,7 +418,7 @@ class Trainer:
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
-        self.clock.record()  # before the checkpoint can be resumed from: a kill after it loses no time
+        self.clock.record()  # once a checkpoint, before it can be resumed from: a kill after it loses no time
         self.reporter.report(report, directory, f"checkpoint_{p.step:08d}")
         for callback in self.callbacks:
             callback.on_checkpoint(self, report)
