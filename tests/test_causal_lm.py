@@ -313,9 +313,10 @@ def test_a_model_config_field_set_on_the_command_line_trains_and_exports(data, t
 
 # ------------------------------------------------------------------ training on Ray
 #: 80 steps of 32 blocks x 128 tokens at a constant lr (a cosine over so few steps decays before the
-#: model gets past unigram statistics, near step 50); an eval and a checkpoint every 20 steps, all kept
-TRAIN = ["loop.max_steps=80", "loop.log_every=5", "--eval_steps", "20", "--save_steps", "20", "--warmup_steps", "10",
-         "--lr_scheduler_type", "constant", "--save_total_limit", "4", "logging.progress_bar=false",
+#: model gets past unigram statistics, near step 50); an eval every 20 steps, a checkpoint every 10,
+#: all kept
+TRAIN = ["loop.max_steps=80", "loop.log_every=5", "--eval_steps", "20", "--save_steps", "10", "--warmup_steps", "10",
+         "--lr_scheduler_type", "constant", "--save_total_limit", "8", "logging.progress_bar=false",
          "job.sample_tokens=8"]  # fmt: skip
 
 
@@ -328,17 +329,17 @@ def scalars(run_dir: Path, tag: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def trained(ray_session, data, tmp_path_factory):
-    """small.yaml on 2 Ray workers, failing at step 23 and run again (it resumes from the step-20
-    checkpoint), and the same run uninterrupted in local processes to step 40: 20 steps past the
+    """small.yaml on 2 Ray workers, failing at step 13 and run again (it resumes from the step-10
+    checkpoint), and the same run uninterrupted in local processes to step 20: 10 steps past the
     resume, where anything the resume left out (weights, optimizer moments, data position) has
     already changed the weights (the constant lr does not depend on the run's length)."""
     out = tmp_path_factory.mktemp("lm-runs")
     faulty = out / "faulty.yaml"  # small.yaml with the causal LM that can fail at a step
     faulty.write_text(Path(SMALL).read_text().replace("name: causal_lm\n", "name: tests.faulty_lm\n", 1))
     where = [f"data.path={data}", "--output_dir", str(out)]
-    assert cli.main(["train", str(faulty), *TRAIN, *where, "--run_name", "ray", "job.fail_at_step=23"]) == 1
+    assert cli.main(["train", str(faulty), *TRAIN, *where, "--run_name", "ray", "job.fail_at_step=13"]) == 1
     assert cli.main(["train", str(faulty), *TRAIN, *where, "--run_name", "ray"]) == 0
-    assert cli.main(["train", str(faulty), *TRAIN, "loop.max_steps=40", *where, "--run_name", "local", "--local"]) == 0
+    assert cli.main(["train", str(faulty), *TRAIN, "loop.max_steps=20", *where, "--run_name", "local", "--local"]) == 0
     return out
 
 
@@ -352,7 +353,7 @@ def test_two_ray_workers_learn_below_the_unigram_perplexity_and_resume_exactly(t
     final = sorted(run.glob("checkpoint_0*"))[-1]
     assert final.name == "checkpoint_00000080"
     local = sorted((trained / "local").glob("checkpoint_0*"))[-1]
-    assert local.name == "checkpoint_00000040"
+    assert local.name == "checkpoint_00000020"
     straight, resumed = load_file(local / ckpt.MODEL), load_file(run / local.name / ckpt.MODEL)
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)

@@ -4,11 +4,15 @@ weights equal those of an uninterrupted one, and the console shows none of Ray T
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +35,10 @@ COMMON = ["scaling.num_workers=2", "data.global_batch_size=8", "loop.epochs=3", 
 #: what rank 0 of the uninterrupted run must show in each category: 24 steps, 3 checkpoints
 INJECTED = {"productive": 24 * 0.3, "input": 24 * 4 * 0.01, "checkpointing": 3 * 0.4}
 #: lines of Ray Train's own machinery that must not reach the console at default verbosity
+#: every evaluation reports the same mse, whatever the weights
+TIE = ["job.constant_metric=0.5"]
+#: the same run without its delays: what it computes, not how long it takes
+NO_DELAYS = ["job.step_sleep=0", "job.item_sleep=0", "job.checkpoint_sleep=0"]
 RAY_INTERNALS = ["Reporting training result", "Checkpoint successfully created", "repeated", "[Gloo]",
                  "PreemptionWatcher", "Token authentication", "log_deduplication", "TrainController"]  # fmt: skip
 
@@ -70,13 +78,39 @@ def when_checkpointed(run_dir: Path, step: int, action) -> threading.Thread:
     return thread
 
 
+@contextlib.contextmanager
+def console() -> Iterator[dict[str, str]]:
+    """What the block writes to standard output and standard error (``out``, ``err``: filled at its
+    end), through ``sys.stdout`` and ``sys.stderr`` and at file descriptors 1 and 2 (where Ray's
+    own processes write): what ``capfd`` shows a test, for a fixture shared by a module's tests."""
+    shown: dict[str, str] = {}
+    with tempfile.TemporaryFile("w+", buffering=1) as out, tempfile.TemporaryFile("w+", buffering=1) as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = {fd: os.dup(fd) for fd in (1, 2)}
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                yield shown
+        finally:
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+            for name, sink in (("out", out), ("err", err)):
+                sink.seek(0)
+                shown[name] = sink.read()
+
+
 @pytest.fixture(scope="module")
 def straight(ray_session, tmp_path_factory):
-    """The uninterrupted run, and what the console showed of it."""
+    """The uninterrupted run, every evaluation of which scores the same (a tie: the weights are
+    those of any other run here), its wall time and what the console showed of it."""
     tmp_path = tmp_path_factory.mktemp("faults")
     started = time.time()
-    code = train(tmp_path, "straight")
-    return tmp_path, code, time.time() - started
+    with console() as shown:
+        code = train(tmp_path, "straight", *TIE)
+    return tmp_path, code, time.time() - started, shown
 
 
 def goodput(run_dir: Path) -> dict:
@@ -85,7 +119,7 @@ def goodput(run_dir: Path) -> dict:
 
 @pytest.mark.quiet  # the loop's own time, in the productive steps, grows on a busy machine
 def test_the_goodput_breakdown_has_each_delay_in_its_category_and_adds_up_to_the_wall_time(straight, capfd):
-    tmp_path, code, wall = straight
+    tmp_path, code, wall, _ = straight
     assert code == 0
     record = goodput(tmp_path / "results" / "straight")
     categories = record["categories"]
@@ -98,30 +132,26 @@ def test_the_goodput_breakdown_has_each_delay_in_its_category_and_adds_up_to_the
 
 
 def test_the_console_shows_no_ray_internals_and_a_tie_has_the_same_best_as_local(straight, capfd):
-    """Every evaluation of this run scores the same: Ray Train and the local processes keep and
-    choose checkpoints by one rule, whose tie goes to the newer checkpoint (step 16 of 8 and 16)."""
-    tmp_path, code, _ = straight
-    assert code == 0
-    tie = ["loop.epochs=2", "job.constant_metric=0.5"]
-    code = train(tmp_path, "console", *tie)
-    out, err = capfd.readouterr()
+    """Every evaluation of the straight run scores the same: Ray Train and the local processes keep
+    and choose checkpoints by one rule, whose tie goes to the newer checkpoint (step 24 of 8, 16, 24)."""
+    tmp_path, code, _, shown = straight
+    out, err = shown["out"], shown["err"]
     assert code == 0, err[-3000:]
-    shown = out + err
-    assert "raytpu: train console on the local Ray instance: 2 cpu worker(s), fp32, 4 samples per worker" in shown
+    assert "raytpu: train straight on the local Ray instance: 2 cpu worker(s), fp32, 4 samples per worker" in out + err
     assert '"valid/mse": 0.5' in out
-    leaked = [line for line in shown.splitlines() if any(mark in line for mark in RAY_INTERNALS)]
+    leaked = [line for line in (out + err).splitlines() if any(mark in line for mark in RAY_INTERNALS)]
     assert not leaked, leaked
-    assert train(tmp_path, "console-local", *tie, "--local") == 0
+    assert train(tmp_path, "tie-local", *TIE, *NO_DELAYS, "--local") == 0
     local_out = capfd.readouterr().out
     best = {run: text.split("best checkpoint:")[1].split()[0] for run, text in (("ray", out), ("local", local_out))}
     assert best == {
-        "ray": str(tmp_path / "results" / "console" / "checkpoint_00000016"),
-        "local": str(tmp_path / "results" / "console-local" / "checkpoint_00000016"),
+        "ray": str(tmp_path / "results" / "straight" / "checkpoint_00000024"),
+        "local": str(tmp_path / "results" / "tie-local" / "checkpoint_00000024"),
     }
 
 
 def test_a_raising_worker_ends_the_run_and_the_rerun_resumes(straight, capfd):
-    tmp_path, _, _ = straight
+    tmp_path, *_ = straight
     capfd.readouterr()
     assert train(tmp_path, "raised", "job.fail_at_step=13") == 1
     out, err = capfd.readouterr()
@@ -144,7 +174,7 @@ def test_a_raising_worker_ends_the_run_and_the_rerun_resumes(straight, capfd):
 def test_a_killed_worker_is_restarted_from_the_last_checkpoint(straight, capfd):
     """SIGKILL to one worker process after the first checkpoint: Ray Train restarts the worker
     group (checkpoint.max_failures=1) from that checkpoint, and the run ends as if never hit."""
-    tmp_path, _, _ = straight
+    tmp_path, *_ = straight
     pids = tmp_path / "pids"
     pids.mkdir()
     killed: list[int] = []
@@ -169,7 +199,7 @@ def test_a_signal_to_the_driver_checkpoints_stops_and_the_same_command_resumes(s
     """SIGTERM to the driver once step 8 is checkpointed; the workers look for a stop at every step
     (loop.log_every=1) and checkpoint the step where they see it, without an eval, so never as the
     best. They see it at step 8 itself (already checkpointed) when it came before that step's look."""
-    tmp_path, _, _ = straight
+    tmp_path, *_ = straight
     run_dir = tmp_path / "results" / "signalled"
     thread = when_checkpointed(run_dir, 8, lambda: os.kill(os.getpid(), signal.SIGTERM))
     started = time.monotonic()

@@ -352,17 +352,16 @@ def read_terminal(controller: int) -> bytes:
 
 @pytest.mark.integration
 def test_the_example_on_the_xla_cpu_device_computes_in_bf16(ray_session, tmp_path):
-    """One worker on the XLA runtime (the CPU PJRT device): ``--mixed_precision auto`` is bf16,
-    an fp16 request becomes bf16 (the flag, and the script's own Accelerator(mixed_precision="fp16")),
-    each seen in the dtype the forward pass computes in."""
-    argv = ["--runtime", "xla", EXAMPLE, "--epochs", "1", "--samples", "256"]
-    assert launch(tmp_path, "xla-auto", "--profile", "2:3", *argv, "--results-dir", str(tmp_path / "a")) == 0
-    log = log_of(tmp_path, "xla-auto")
+    """One worker on the XLA runtime (the CPU PJRT device): an fp16 request becomes bf16 (the flag,
+    and the script's own Accelerator(mixed_precision="fp16")), each seen in the dtype the forward
+    pass computes in (``--mixed_precision auto``, bf16 the same way: the launch plan's environment,
+    ``test_each_launched_process_drives_one_chip_of_the_slice``)."""
+    argv = ["--runtime", "xla", "--mixed_precision", "fp16", "--profile", "2:3", EXAMPLE, "--epochs", "1"]
+    assert launch(tmp_path, "xla-fp16", *argv, "--samples", "256", "--results-dir", str(tmp_path / "a")) == 0
+    log = log_of(tmp_path, "xla-fp16")
     assert "DistributedType.XLA, 1 process(es)" in log and "forward dtype torch.bfloat16" in log, log[-2000:]
-    traces = [p.name.split(".", 1)[1] for p in (tmp_path / "runs" / "xla-auto" / "profile").rglob("*.*")]
+    traces = [p.name.split(".", 1)[1] for p in (tmp_path / "runs" / "xla-fp16" / "profile").rglob("*.*")]
     assert sorted(traces) == ["trace.json.gz", "xplane.pb"], traces  # torch_xla's profiler, on the CPU device
-    assert launch(tmp_path, "xla-fp16", "--mixed_precision", "fp16", *argv, "--results-dir", str(tmp_path / "b")) == 0
-    assert "forward dtype torch.bfloat16" in log_of(tmp_path, "xla-fp16")
     own = tmp_path / "own_fp16.py"
     own.write_text(
         "import torch\nfrom accelerate import Accelerator\n"
