@@ -2,8 +2,9 @@
 every way a run starts.
 
 The driver's handler (:class:`StopOnSignal`) files a stop request where the run's workers look for
-it: the run's small :class:`StopFlag` Ray actor when the workers are Ray Train's, a file in a
-temporary folder of the machine when they are local processes (``raytpu train --local``). Either way the request
+it: the run's small :class:`StopFlag` Ray actor when the workers are Ray Train's (started by the
+signal: a run that is never signalled starts no process for it), a file in a temporary folder of
+the machine when they are local processes (``raytpu train --local``). Either way the request
 is named by one string in the plan (``actor:<name>`` or ``file:<path>``); at their next log step
 the workers read it (rank 0 reads, every rank gets its answer: ``raytpu.worker.reporting``),
 checkpoint the current step (without an eval, so never as the best) and return, and rank 0
@@ -37,17 +38,11 @@ def announce(signum: int) -> None:
 
 
 class StopFlag:
-    """The Ray actor of one run: the driver requests a stop, rank 0 confirms it."""
+    """The Ray actor of one signalled run: it exists once the driver requested a stop, and rank 0
+    confirms the stop on it."""
 
     def __init__(self) -> None:
-        self.requested = False
         self.stopped = False
-
-    def request(self) -> None:
-        self.requested = True
-
-    def is_requested(self) -> bool:
-        return self.requested
 
     def confirm(self) -> None:
         self.stopped = True
@@ -63,7 +58,11 @@ def stop_requested(spec: str) -> bool:
     if kind == "actor":
         import ray
 
-        return bool(ray.get(ray.get_actor(where).is_requested.remote(), timeout=60))
+        try:
+            ray.get_actor(where)
+        except ValueError:  # no such actor: no signal yet
+            return False
+        return True
     return kind == "file" and Path(where).is_file()
 
 
@@ -94,10 +93,6 @@ class StopOnSignal:
         self.confirmed: bool | None = None  # read when a local run's stop file is cleaned up
 
     def __enter__(self) -> StopOnSignal:
-        if self.file is None:
-            import ray
-
-            self.actor = ray.remote(num_cpus=0)(StopFlag).options(name=self.name).remote()
         if threading.current_thread() is threading.main_thread():
             self.previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         return self
@@ -109,7 +104,9 @@ class StopOnSignal:
         if self.file is not None:
             self.file.write_text("requested\n")
         else:
-            self.actor.request.remote()
+            import ray
+
+            self.actor = ray.remote(num_cpus=0)(StopFlag).options(name=self.name).remote()
 
     def __exit__(self, kind: type | None, error: BaseException | None, trace: TracebackType | None) -> None:
         for sig, handler in self.previous.items():
