@@ -219,7 +219,7 @@ def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_sessi
     cfg_best, job_best = load_config(best, [f"run.storage_path={tmp_path / 'best'}", "loop.epochs=1"])
     assert cfg_best.optim.lr in (0.05, 0.03) and cfg_best.scaling.runtime == "auto"
     assert Path(cfg_best.data.path) == mshnet_data
-    trained = runs.train(cfg_best, job_best)
+    trained = runs.train(cfg_best, job_best, local=True)  # runnable by raytpu train (the loop of a Ray run)
     assert trained.best_checkpoint and Path(trained.best_checkpoint, "model.safetensors").is_file()
 
 
