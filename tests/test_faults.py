@@ -34,11 +34,11 @@ COMMON = ["scaling.num_workers=2", "data.global_batch_size=8", "loop.epochs=3", 
           "job.item_sleep=0.01", "job.checkpoint_sleep=0.4"]  # fmt: skip
 #: what rank 0 of the uninterrupted run must show in each category: 24 steps, 3 checkpoints
 INJECTED = {"productive": 24 * 0.3, "input": 24 * 4 * 0.01, "checkpointing": 3 * 0.4}
-#: lines of Ray Train's own machinery that must not reach the console at default verbosity
 #: every evaluation reports the same mse, whatever the weights
 TIE = ["job.constant_metric=0.5"]
 #: the same run without its delays: what it computes, not how long it takes
 NO_DELAYS = ["job.step_sleep=0", "job.item_sleep=0", "job.checkpoint_sleep=0"]
+#: lines of Ray Train's own machinery that must not reach the console at default verbosity
 RAY_INTERNALS = ["Reporting training result", "Checkpoint successfully created", "repeated", "[Gloo]",
                  "PreemptionWatcher", "Token authentication", "log_deduplication", "TrainController"]  # fmt: skip
 
