@@ -52,6 +52,20 @@ def test_locations_join_and_errors_say_what_to_do():
     assert "may not write there" in diagnose("s3://b/x", "AWS Error ACCESS_DENIED during CreateMultipartUpload")
     assert "no valid credentials" in diagnose("gs://b/x", "Could not create a OAuth2 access token")
     assert "does not answer" in diagnose("s3://b/x", "AWS Error NETWORK_CONNECTION: Could not connect")
+    assert "does not exist" in diagnose("gs://b/x", "Not Found error_info={metadata={http_status_code=404}}")
+
+
+def test_digits_of_a_name_a_request_id_or_a_time_are_no_status_code():
+    """The probe object's random name, the store's request id and the connect time each held a
+    "401", "403" or "404" now and then: the diagnosis must not change with them."""
+    refused = (
+        "When initiating multiple part upload for key 'runs/.raytpu-probe-9c2afb61f403' in bucket 'b': AWS Error "
+        "NETWORK_CONNECTION during CreateMultipartUpload operation: curlCode: 7, Could not connect to server; "
+        "Details: Failed to connect to 127.0.0.1:1 after 401 ms: Could not connect to server"
+    )
+    assert "does not answer" in diagnose("s3://b/x", refused)
+    missing = "AWS Error NO_SUCH_BUCKET during PutObject: The specified bucket does not exist (Request ID: mCM401)"
+    assert "the bucket 'b' does not exist" in diagnose("s3://b/x", missing)
 
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -227,14 +228,26 @@ DIAGNOSES = (
 )  # fmt: skip
 
 
+#: the parts of a store's error that differ from one request to the next (object names, request ids,
+#: times): read as words, a probe object named ``.raytpu-probe-…401`` was a credentials error
+VOLATILE = re.compile(r"'[^']*'|\(request id: [^)]*\)|after \d+ ms")
+
+
 def diagnose(location: str, message: str) -> str:
     """What a failed write to ``location`` means, in words that say what to do."""
     bucket = urlparse(location).netloc
-    lowered = message.lower()
+    lowered = VOLATILE.sub("", message.lower())
     for words, text in DIAGNOSES:
-        if any(word in lowered for word in words):
+        if any(mentions(lowered, word) for word in words):
             return text.format(bucket=bucket)
     return " ".join(message.split())[:200]
+
+
+def mentions(message: str, word: str) -> bool:
+    """``word`` in ``message``; a status code (``403``) only as a number of its own."""
+    if word.isdigit():
+        return re.search(rf"(?<![0-9a-z]){word}(?![0-9a-z])", message) is not None
+    return word in message
 
 
 def probe(location: str) -> None:
