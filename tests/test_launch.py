@@ -3,7 +3,9 @@ local Ray CPU workers; the example on the XLA CPU device; restarts; one-line err
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import re
 import signal
@@ -116,6 +118,29 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     assert all(env["USE_TORCH_XLA"] == "1" and "ACCELERATE_USE_CPU" not in env for env in envs)
     assert {env["TPU_VISIBLE_CHIPS"] for env in envs} == {str(chip) for chip in range(spec.chips_per_host)}
     assert len({env["TPU_PROCESS_ADDRESSES"] for env in envs}) == 1
+
+
+def test_ray_train_s_resource_request_timeout_is_one_warning_line_on_the_console():
+    """On a busy machine Ray Train's controller timed out asking the autoscaling coordinator and
+    logged the timeout's traceback, which the console test then saw: the job's processes keep
+    the warning and drop the traceback."""
+    from raytpu.driver.cluster import AUTOSCALING_CLIENT, quiet_train_controller
+
+    logger = logging.getLogger(AUTOSCALING_CLIENT)
+    shown = io.StringIO()
+    handler = logging.StreamHandler(shown)
+    logger.addHandler(handler)
+    filters = list(logger.filters)
+    try:
+        quiet_train_controller()
+        try:
+            raise TimeoutError("Get timed out: some object(s) not ready.")
+        except TimeoutError:
+            logger.warning("Failed to send resource request for train-1.", exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+        logger.filters[:] = filters
+    assert shown.getvalue() == "Failed to send resource request for train-1.\n"
 
 
 def test_metrics_logged_between_polls_become_one_report_and_polled_entries_never_change():

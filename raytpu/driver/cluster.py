@@ -254,12 +254,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+#: Ray Train's client of the autoscaling coordinator: on a busy machine its request can time out,
+#: and it logs the timeout's traceback with a warning that calls it safe to ignore
+AUTOSCALING_CLIENT = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
+
+
 def quiet_train_controller() -> None:
     """Run in every process of the job as it starts: Ray Train's controller logs the traceback of
     an error in its loop (a store that stopped answering while it saved the run's state), which
-    the driver then says in one line. A filter, as Ray Train's logging set-up resets the level."""
+    the driver then says in one line; its resource request's timeout is the warning alone, without
+    the traceback. Filters, as Ray Train's logging set-up resets the level."""
     logger = logging.getLogger("ray.train.v2._internal.execution.controller.controller")
     logger.addFilter(lambda record: not record.getMessage().startswith("Error in control loop iteration"))
+    logging.getLogger(AUTOSCALING_CLIENT).addFilter(without_traceback)
+
+
+def without_traceback(record: logging.LogRecord) -> bool:
+    record.exc_info = record.exc_text = None
+    return True
 
 
 def quiet_ray() -> None:
