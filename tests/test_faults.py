@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from raytpu import cli
+from raytpu.driver.signals import StopOnSignal
 from raytpu.worker import checkpoint as ckpt
 from raytpu.worker import timing
 
@@ -196,19 +197,30 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(straight, capfd):
 
 
 def test_a_signal_to_the_driver_checkpoints_stops_and_the_same_command_resumes(straight, capfd):
-    """SIGTERM to the driver once step 8 is checkpointed; the workers look for a stop at every step
-    (loop.log_every=1) and checkpoint the step where they see it, without an eval, so never as the
-    best. They see it at step 8 itself (already checkpointed) when it came before that step's look."""
+    """Ctrl-C (SIGINT) to the driver once step 8 is checkpointed; the workers look for a stop at every
+    step (loop.log_every=1) and checkpoint the step where they see it, without an eval, so never as
+    the best. They see it at step 8 itself (already checkpointed) when it came before that step's
+    look. SIGTERM has the same handler then; Ray Train's own SIGINT handler (which aborted the run
+    at once) is never put in, and the process's handler is the same after the run as before it."""
     tmp_path, *_ = straight
     run_dir = tmp_path / "results" / "signalled"
-    thread = when_checkpointed(run_dir, 8, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    before = signal.getsignal(signal.SIGINT)
+    handlers = []
+
+    def interrupt() -> None:
+        handlers.extend(signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM))
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = when_checkpointed(run_dir, 8, interrupt)
     started = time.monotonic()
     code = train(tmp_path, "signalled", "loop.log_every=1")
     thread.join()
     out, err = capfd.readouterr()
-    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert code == 128 + signal.SIGINT, err[-3000:]
     assert time.monotonic() - started < 120
-    assert "SIGTERM received" in err and "run the same command again to resume" in err.strip().splitlines()[-1]
+    assert "SIGINT received" in err and "run the same command again to resume" in err.strip().splitlines()[-1]
+    assert handlers[0] == handlers[1] and isinstance(getattr(handlers[0], "__self__", None), StopOnSignal)
+    assert signal.getsignal(signal.SIGINT) == before
     latest = latest_checkpoint(run_dir)
     meta = ckpt.read_meta(latest)
     assert 8 <= meta["step"] < 24, meta

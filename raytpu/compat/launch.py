@@ -225,14 +225,14 @@ def run(plan: Plan, marks: dict[str, float]) -> int:
     from ray.train import TrainingFailedError
 
     from raytpu.compat.script_runner import LaunchState
-    from raytpu.driver.ray_trainer import build_trainer, root_cause
+    from raytpu.driver.ray_trainer import build_trainer, fit, root_cause
 
     assert plan.script is not None
     state = ray.remote(num_cpus=0)(LaunchState).options(name=plan.script.state).remote(plan.script.last_checkpoint)
     marks["fit"] = time.time()
     try:
         with ConsoleRelay(state):
-            build_trainer(plan).fit()
+            fit(build_trainer(plan))
     except TrainingFailedError as exc:
         if ray.get(state.failure.remote()) is None:  # a lost process, retried up to --max-failures
             raise RunFailed(*root_cause(exc)) from exc

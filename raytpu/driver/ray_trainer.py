@@ -9,6 +9,7 @@ retention rule, ``raytpu.worker.reporting``) and retries (``FailureConfig``) all
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 from raytpu.config import Config
@@ -148,13 +149,41 @@ def materialize_train(cfg: Config, prepared: Any, table: str) -> bool:
     return size <= cfg.data.materialize_mb * 2**20 and size <= store / 4
 
 
+def fit(trainer: Any) -> Any:
+    """``trainer.fit()`` in a thread of its own while this one waits. Called from the main thread,
+    Ray Train's ``fit()`` puts in a SIGINT handler of its own and leaves it there: Ctrl-C aborted
+    the run at once instead of reaching raytpu's handler (:mod:`raytpu.driver.signals`: checkpoint,
+    stop, resume), and after the run the handler held its controller actor alive in a process that
+    went on (a notebook, the test suite). Without a handler of raytpu's (``raytpu test``,
+    ``raytpu launch``), Ctrl-C interrupts the command, which stops the Ray instance it started."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # raised again in the waiting thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="raytpu-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+    error = outcome.pop("error", None)
+    if error is None:
+        return outcome["result"]
+    try:
+        raise error
+    finally:
+        del error  # no cycle through this frame: the run's objects go with the exception
+
+
 def run_trainer(trainer: Any) -> Any:
-    """``trainer.fit()``; a failed run becomes :class:`~raytpu.errors.RunFailed`: ``rank N: <its
+    """:func:`fit`; a failed run becomes :class:`~raytpu.errors.RunFailed`: ``rank N: <its
     error>`` and the failing rank's traceback."""
     from ray.train import TrainingFailedError
 
     try:
-        return trainer.fit()
+        return fit(trainer)
     except TrainingFailedError as exc:
         summary, details = root_cause(exc)
         raise RunFailed(summary, details) from exc
