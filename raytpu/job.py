@@ -224,10 +224,14 @@ def in_warmup(job: Job, cfg: Config, epoch: int) -> bool:
 
 
 # ------------------------------------------------------------------ finding a job
+def job_module(name: str) -> str:
+    """The module of job ``name``: ``mshnet`` -> ``raytpu.jobs.mshnet``; a dotted name is one already."""
+    return name if "." in name else f"{SHIPPED}.{name}"
+
+
 def load_job(name: str) -> Job:
     """Resolve ``name`` to a job: ``mshnet`` -> ``raytpu.jobs.mshnet``, or a dotted module path."""
-    candidates = [name] if "." in name else [f"{SHIPPED}.{name}"]
-    module_name = candidates[0]
+    module_name = job_module(name)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

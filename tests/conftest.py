@@ -40,6 +40,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 #: out the ends of the two processes; handed out by number of tests instead, a 2-minute learning
 #: test came last and the other process sat idle for 3 minutes of a 20-minute suite
 LONGEST_FIRST = (
+    "test_autoscaling.py",
     "test_launch.py",
     "test_buckets.py",
     "test_causal_lm.py",

@@ -272,7 +272,7 @@ def test_bad_storage_is_one_line_before_anything_starts(world, guarded, capsys, 
     [
         (["scaling.runtime=cuda"], "needs 2 CPU, 2 GPU but the cluster has 2 CPU"),
         (["scaling.num_workers=4", "data.global_batch_size=16"], "needs 4 CPU but the cluster has 2 CPU"),
-        (["scaling.cpus_per_worker=3"], "use fewer workers (scaling.num_workers) or a smaller"),
+        (["scaling.cpus_per_worker=3"], "no node has 3 CPU: use a smaller scaling.cpus_per_worker (at most 2"),
         (["runtime=xla", "xla.spmd=true", "xla.mesh.fsdp=-1"], "over 2 workers of the CPU PJRT device"),
     ],
     ids=["no GPU", "too many workers", "too many CPUs per worker", "FSDPv2 over CPU workers"],

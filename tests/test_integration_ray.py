@@ -83,14 +83,14 @@ def test_mshnet_trains_on_two_workers_and_tests(ray_session, tmp_path, capsys):
         assert metrics[f"test/{name}"] == pytest.approx(summary.metrics[f"valid/{name}"], rel=1e-6, abs=1e-9)
 
 
-def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(ray_session, tmp_path):
-    """Ray Data from a bucket: the tables prepared into S3, and read from it by the workers."""
+def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(ray_session, tmp_path, capsys):
+    """Ray Data from a bucket: the tables prepared into S3, and read from it by the workers (a
+    bucket in data.path is read through Ray Data: no data.loader=ray needed)."""
     tables = f"s3://{BUCKET}/tables-{tmp_path.name}"
     cfg, job = load_config(
         "jobs/cdeit/small.yaml",
         [
             f"data.path={tables}",  # prepared into, and read from, the S3 server
-            "data.loader=ray",
             "data.materialize_mb=0",  # the streaming read (the other tests' sets are small: materialized)
             f"run.storage_path={tmp_path / 'results'}",
             "run.name=cdeit",
@@ -106,6 +106,7 @@ def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(r
     job.synthesize(tmp_path / "cdeit", **job.synth_options(cfg))  # not ./data/cdeit of the checkout
     assert cli.main(["data", "prepare", "cdeit", "--src", str(tmp_path / "cdeit"), "--out", tables]) == 0
     summary = runs.train(cfg, job)
+    assert "reading cdeit's parquet tables through Ray Data (data.loader=ray)" in capsys.readouterr().out
     assert Path(summary.best_checkpoint, "ema.safetensors").is_file()
     latest = ckpt.read_meta(Path(summary.latest_checkpoint))
     assert (latest["step"], latest["epoch"]) == (8, 2)  # 32 samples, 4 steps an epoch

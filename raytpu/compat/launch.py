@@ -26,7 +26,7 @@ from typing import Any
 from raytpu.compat.script_runner import RESUME_ENV, STATE_ENV, last_state_number, report
 from raytpu.config import CheckpointConfig, Config, RunConfig, ScalingConfig, build_dataclass, with_values
 from raytpu.config.loading import profile_window
-from raytpu.config.plan import Plan, ScriptPlan, storage_of
+from raytpu.config.plan import Plan, ScriptPlan, placed, storage_of
 from raytpu.config.validation import check_number, check_profile
 from raytpu.errors import ConfigError, RunFailed
 from raytpu.runtime.base import resolve_precision
@@ -183,9 +183,10 @@ def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, 
     """The checks, the cluster joined, and the launch's plan (the script's own, and its processes');
     ``marks`` gets when the driver began and ended joining Ray."""
     from raytpu.driver import preflight
-    from raytpu.driver.cluster import check_reachable, connect
-    from raytpu.driver.runs import cluster_accelerators
-    from raytpu.runtime.base import pick_runtime
+    from raytpu.driver.capacity import read_offer
+    from raytpu.driver.cluster import check_reachable, connect, joined_here
+    from raytpu.driver.ray_trainer import worker_bundles
+    from raytpu.driver.runs import place_workers
 
     cfg = settings.config
     preflight.check_storage(cfg)
@@ -193,11 +194,12 @@ def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, 
     marks["connect"] = time.time()
     connect(address, verbose=cfg.logging.verbose)
     marks["connected"] = time.time()
-    accelerators = cluster_accelerators()
-    runtime = pick_runtime(cfg.scaling.runtime, accelerators["TPU"] > 0, accelerators["GPU"] > 0)
+    offer = read_offer(this_machine=joined_here())
+    placement = place_workers(cfg, offer, local=False)
+    runtime = placement.runtime
     precision, warning = resolve_precision(runtime, PRECISIONS[settings.mixed_precision])
-    cfg = with_values(cfg, {"scaling.runtime": runtime, "scaling.precision": precision})
-    preflight.check_fit(preflight.worker_bundles(cfg), f"{cfg.scaling.num_workers} {runtime} process(es)")
+    cfg = with_values(cfg, {"scaling.runtime": runtime, "scaling.precision": precision, **placed(cfg, placement)})
+    preflight.check_fit(worker_bundles(cfg), f"{cfg.scaling.num_workers} {runtime} process(es)", offer)
     if warning:
         print(f"raytpu: warning: {warning}", file=sys.stderr, flush=True)
     print(
@@ -225,9 +227,10 @@ def run(plan: Plan, marks: dict[str, float]) -> int:
     from ray.train import TrainingFailedError
 
     from raytpu.compat.script_runner import LaunchState
-    from raytpu.driver.ray_trainer import build_trainer, fit, root_cause
+    from raytpu.driver.ray_trainer import build_trainer, fit, root_cause, wait_for_workers
 
     assert plan.script is not None
+    wait_for_workers(plan)
     state = ray.remote(num_cpus=0)(LaunchState).options(name=plan.script.state).remote(plan.script.last_checkpoint)
     marks["fit"] = time.time()
     try:

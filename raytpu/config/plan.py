@@ -20,6 +20,7 @@ from raytpu.config.batching import BatchPlan
 from raytpu.config.loading import from_dict, to_dict, with_values
 from raytpu.config.schema import Config
 from raytpu.errors import ConfigError
+from raytpu.runtime.placement import Placement
 from raytpu.storage.filesystems import is_remote, join
 
 
@@ -88,10 +89,11 @@ class Plan:
 
 
 # ----------------------------------------------------------------- resolution
-def resolve_config(cfg: Config, runtime: str, precision: str) -> Config:
-    """The config as it runs on ``runtime`` at ``precision``: per-device batches turned into global
-    ones, gradient checkpointing routed to torch_xla's on xla, paths the workers read made absolute."""
-    cfg = with_values(cfg, {"scaling.runtime": runtime, "scaling.precision": precision})
+def resolve_config(cfg: Config, runtime: str, precision: str, placement: Placement | None = None) -> Config:
+    """The config as it runs on ``runtime`` at ``precision`` (and ``placement``: its worker count and
+    each worker's TPU chips): per-device batches turned into global ones, gradient checkpointing
+    routed to torch_xla's on xla, paths the workers read made absolute."""
+    cfg = with_values(cfg, {"scaling.runtime": runtime, "scaling.precision": precision, **placed(cfg, placement)})
     values: dict[str, Any] = per_device_batches(cfg)
     if runtime == "xla" and getattr(cfg.job, "gradient_checkpointing", False):
         # XLA's common-subexpression elimination merges a plain checkpoint's recomputation back into
@@ -104,6 +106,20 @@ def resolve_config(cfg: Config, runtime: str, precision: str) -> Config:
     resolved = with_values(cfg, values)
     BatchPlan.of(resolved)  # checks the split
     return resolved
+
+
+def placed(cfg: Config, placement: Placement | None) -> dict[str, Any]:
+    """The worker count the placement runs and the TPU each xla worker asks Ray for: a whole slice
+    that several workers form, else its chips (unless the config asks for some itself)."""
+    if placement is None:
+        return {}
+    values: dict[str, Any] = {"scaling.num_workers": placement.num_workers}
+    accelerator_type, topology = placement.tpu_slice
+    if accelerator_type:
+        values.update({"scaling.tpu.accelerator_type": accelerator_type, "scaling.tpu.topology": topology})
+    elif placement.tpu_chips and "TPU" not in cfg.scaling.resources_per_worker:
+        values["scaling.resources_per_worker"] = {**cfg.scaling.resources_per_worker, "TPU": placement.tpu_chips}
+    return values
 
 
 def per_device_batches(cfg: Config) -> dict[str, int]:

@@ -35,6 +35,9 @@ class ScalingConfig:
     cpus_per_worker: float = 1.0
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     tpu: TPUConfig = field(default_factory=TPUConfig)
+    # how long a run waits for an autoscaler to start the nodes its workers need (Ray's autoscaler
+    # gives a node 15 minutes to start: AUTOSCALER_NODE_START_WAIT_S)
+    node_start_timeout_s: float = 900.0
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "run.seed": (0, True),
     "scaling.num_workers": (1, True),
     "scaling.cpus_per_worker": (0, True),
+    "scaling.node_start_timeout_s": (0, False),
     "data.global_batch_size": (1, True),
     "data.eval_batch_size": (0, True),
     "data.per_device_train_batch_size": (0, True),

@@ -8,6 +8,7 @@ waits on an address that does not answer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -74,24 +75,30 @@ def node_summary(node_id: str, ip: str, alive: bool, resources: dict, labels: di
     return {"node_id": node_id[:12], "ip": ip, "alive": alive, "resources": wanted, "tpu_labels": tpu_labels}
 
 
-def list_cluster_nodes(address: str) -> list[dict[str, Any]]:
-    """Nodes of the cluster at ``address`` (runs in the probe subprocess: it connects as a Ray driver)."""
+def list_cluster_nodes(address: str) -> dict[str, Any]:
+    """Nodes of the cluster at ``address``, and the node types its autoscaler may start (runs in the
+    probe subprocess: it connects as a Ray driver)."""
     if address.startswith(("http://", "https://")):
         from ray.util.state import list_nodes
 
         states = list_nodes(address=address, detail=True, raise_on_missing_output=False)
-        return [
+        nodes = [
             node_summary(n.node_id, n.node_ip, n.state == "ALIVE", n.resources_total or {}, n.labels or {})
             for n in states
         ]
+        return {"nodes": nodes, "node_types": [], "node_types_from": ""}
     import ray
+
+    from raytpu.driver.capacity import cluster_node_types
 
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     try:
-        return [
+        nodes = [
             node_summary(n["NodeID"], n["NodeManagerAddress"], n["Alive"], n["Resources"], n.get("Labels", {}))
             for n in ray.nodes()
         ]
+        types, source = cluster_node_types()
+        return {"nodes": nodes, "node_types": [dataclasses.asdict(t) for t in types], "node_types_from": source}
     finally:
         ray.shutdown()
 
@@ -106,7 +113,7 @@ def cluster_probe_main(address: str) -> int:
         return 1
 
 
-def run_cluster_probe(address: str, timeout: float) -> list[dict[str, Any]]:
+def run_cluster_probe(address: str, timeout: float) -> dict[str, Any]:
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     code = "import sys; from raytpu.driver.cluster import cluster_probe_main; sys.exit(cluster_probe_main(sys.argv[1]))"
@@ -143,22 +150,29 @@ def check_cluster(address: str | None, timeout: float = DEFAULT_TIMEOUT_S) -> di
     if refused:
         return {"address": address, "reachable": False, "message": f"cannot reach {address}: {refused}", "nodes": []}
     try:
-        nodes = run_cluster_probe(address, timeout)
+        found = run_cluster_probe(address, timeout)
     except ConnectionError as exc:
         return {"address": address, "reachable": False, "message": f"cannot connect to {address}: {exc}", "nodes": []}
-    totals = cluster_totals(nodes)
-    from raytpu.runtime import pick_runtime  # imports torch: kept out of module import, as in auto_choice
+    from raytpu.runtime.placement import ClusterOffer, NodeType, choose_runtime
 
-    runtime = pick_runtime("auto", totals["TPU"] > 0, totals["GPU"] > 0)
+    nodes = found["nodes"]
+    totals = cluster_totals(nodes)
+    types = tuple(NodeType(**t) for t in found["node_types"])
+    offer = ClusterOffer(tuple(n["resources"] for n in nodes if n["alive"]), node_types=types)
+    runtime, why = choose_runtime("auto", offer)
     alive = sum(n["alive"] for n in nodes)
     message = f"{alive} alive node(s): {totals['CPU']:g} CPU, {totals['GPU']:g} GPU, {totals['TPU']:g} TPU chips"
+    if types:
+        message += f"; its autoscaler can start {'; '.join(t.describe() for t in types)} ({found['node_types_from']})"
     return {
         "address": address,
         "reachable": True,
         "message": message,
         "nodes": nodes,
+        "node_types": found["node_types"],
         "totals": totals,
         "auto_runtime": runtime,
+        "auto_why": why,
     }
 
 
@@ -203,6 +217,7 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
         env["RAY_ADDRESS"] = f"{ray.util.get_node_ip_address()}:{port}"
     elif GCS_ADDRESS.match(address):
         env["RAY_ADDRESS"] = address  # the same for a cluster joined by its GCS address
+        check_token(address)
     if not verbose:
         quiet_ray()
     try:
@@ -217,6 +232,31 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     if local:
         STARTED_HERE.append(os.environ["RAY_ADDRESS"])
+
+
+def check_token(address: str) -> None:
+    """One look at the cluster's GCS, which answers at once when this client's token is missing or
+    wrong (``ray.init`` would retry for 20 s and then say only that it failed to connect): a
+    one-line error that says where the token goes."""
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError
+
+    try:
+        GcsClient(address=address)
+    except AuthenticationError:
+        mode = os.environ.get("RAY_AUTH_MODE", "")
+        setting = (
+            "this client sends no token: export RAY_AUTH_MODE=token, and"
+            if mode != "token"
+            else "this client's token is not the cluster's:"
+        )
+        raise ConfigError(
+            f"the Ray cluster at {address} uses token authentication and {setting} put the cluster's token "
+            "(the head's ~/.ray/auth_token) in RAY_AUTH_TOKEN, in the file RAY_AUTH_TOKEN_PATH names, "
+            "or in ~/.ray/auth_token"
+        ) from None
+    except Exception:  # anything else: ray.init says it, as before
+        return
 
 
 def leave(keep: Collection[str] = ()) -> None:
@@ -244,8 +284,12 @@ def ray_for_this_command() -> Iterator[None]:
 
 def joined() -> str:
     """The cluster this process joined, in words: the local instance it started, or the one at an address."""
-    address = os.environ.get("RAY_ADDRESS", "")
-    return "the local Ray instance" if address in STARTED_HERE else f"the Ray cluster at {address}"
+    return "the local Ray instance" if joined_here() else f"the Ray cluster at {os.environ.get('RAY_ADDRESS', '')}"
+
+
+def joined_here() -> bool:
+    """Whether the Ray instance this process joined is one it started on this machine."""
+    return os.environ.get("RAY_ADDRESS", "") in STARTED_HERE
 
 
 def free_port() -> int:

@@ -298,7 +298,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("cuda", ", ".join(d["cuda"].get("names", [])) or "no GPU"),
         ("cpu", f"{d['cpu']['usable']} usable of {d['cpu']['count']} cores"),
         ("auto", _auto_line(report["auto"])),
-        ("cluster", report["cluster"]["message"]),
+        ("cluster", _cluster_line(report["cluster"])),
     ]
     if "xla_probe" in d:
         rows.insert(5, ("xla probe", json.dumps(d["xla_probe"])))
@@ -322,6 +322,12 @@ def _tpu_line(tpu: dict[str, Any]) -> str:
 def _auto_line(auto: dict[str, Any]) -> str:
     extra = auto.get("note") or auto.get("error")
     return f"runtime {auto['runtime']}, precision {auto['precision']}" + (f" ({extra})" if extra else "")
+
+
+def _cluster_line(cluster: dict[str, Any]) -> str:
+    if not cluster.get("auto_runtime"):
+        return cluster["message"]
+    return f"{cluster['message']}; auto runtime there: {cluster['auto_runtime']} ({cluster['auto_why']})"
 
 
 def _node_line(node: dict[str, Any]) -> str:

@@ -13,21 +13,17 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pyarrow.fs as pafs
 
 from raytpu.config import Config, ConfigError
 from raytpu.errors import RunFailed
 from raytpu.job import Job
+from raytpu.runtime.placement import Bundle, ClusterOffer, Fit, Placement, judge_fit
 from raytpu.storage.filesystems import check_location, diagnose, filesystem, is_remote
 from raytpu.worker import checkpoint as ckpt
 
-Bundle = dict[str, float]
-#: resources a worker or a driver asks for that preflight compares with the nodes'
-CHECKED = ("CPU", "GPU", "TPU")
 #: seconds the bucket probe may take (connecting, credentials, a write, a read and a delete)
 BUCKET_TIMEOUT_S = 30.0
 
@@ -150,6 +146,20 @@ def check_local(cfg: Config) -> None:
         raise ConfigError("--local with runtime=xla runs one worker (use xla.spmd=true for several devices)")
 
 
+def check_local_accelerators(placement: Placement, offer: ClusterOffer) -> None:
+    """``--local``: every process of a cuda run drives a GPU of this machine of its own."""
+    if placement.runtime != "cuda":
+        return
+    gpus = offer.up("GPU")
+    if not gpus:
+        raise ConfigError("scaling.runtime=cuda but this machine has no GPU; use scaling.runtime=auto (or cpu)")
+    if placement.num_workers > gpus:
+        raise ConfigError(
+            f"{placement.num_workers} cuda workers need {placement.num_workers} GPUs but this machine has {gpus:g}: "
+            f"set scaling.num_workers={gpus:g} (the global batch stays the same), or scaling.runtime=cpu"
+        )
+
+
 def check_sharded_workers(cfg: Config, runtime: str, accelerators: dict[str, float]) -> None:
     """FSDPv2 across several xla workers needs XLA collectives between them (TPU hosts, GPUs).
     Workers on the CPU PJRT device have none: their sharded gradients would be gathered to
@@ -165,139 +175,12 @@ def check_sharded_workers(cfg: Config, runtime: str, accelerators: dict[str, flo
 
 
 # ------------------------------------------------------------------ resources
-@dataclass(frozen=True)
-class Cluster:
-    """What the resource check needs to know of a Ray cluster."""
-
-    nodes: list[Bundle]  # every alive node's total resources
-    available: Bundle  # free now, over the whole cluster
-    ceiling: Bundle | None  # the most an autoscaler may ever provide (None: no autoscaler)
-
-
-@dataclass(frozen=True)
-class Fit:
-    """``now``: starts at once; ``busy``: waits for resources other work holds; ``later``: waits for
-    the autoscaler; ``never``: cannot run on this cluster."""
-
-    verdict: str
-    message: str
-
-
-def worker_bundle(scaling: dict[str, Any]) -> Bundle:
-    """One worker's resources from ``ScalingConfig`` arguments, as Ray Train reserves them."""
-    bundle = {name: float(amount) for name, amount in scaling["resources_per_worker"].items() if amount}
-    if scaling.get("use_gpu"):
-        bundle.setdefault("GPU", 1.0)
-    return bundle
-
-
-def worker_bundles(cfg: Config) -> list[Bundle]:
-    """One resource bundle per worker, as the run's ``TorchTrainer`` reserves them."""
-    from raytpu.driver.ray_trainer import scaling_kwargs
-
-    return [worker_bundle(scaling_kwargs(cfg))] * cfg.scaling.num_workers
-
-
-def pack(bundles: Sequence[Bundle], capacities: Sequence[Bundle]) -> bool:
-    """Whether ``bundles`` fit on the nodes' ``capacities`` (first fit, largest bundles first)."""
-    free = [dict(node) for node in capacities]
-    for bundle in sorted(bundles, key=lambda b: sorted(b.items()), reverse=True):
-        node = next((n for n in free if all(n.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items())), None)
-        if node is None:
-            return False
-        for key, value in bundle.items():
-            node[key] = node.get(key, 0.0) - value
-    return True
-
-
-def total(bundles: Sequence[Bundle]) -> Bundle:
-    summed: Bundle = {}
-    for bundle in bundles:
-        for key, value in bundle.items():
-            summed[key] = summed.get(key, 0.0) + value
-    return summed
-
-
-def describe(bundle: Bundle) -> str:
-    return ", ".join(f"{value:g} {key}" for key, value in sorted(bundle.items()) if value) or "nothing"
-
-
-def judge_fit(bundles: Sequence[Bundle], cluster: Cluster, what: str) -> Fit:
-    """Compare a run's demand (one bundle per worker, plus a driver's) with the cluster."""
-    need = total(bundles)
-    have = total(cluster.nodes)
-    if pack(bundles, cluster.nodes):
-        if all(cluster.available.get(k, 0.0) + 1e-9 >= v for k, v in need.items()):
-            return Fit("now", "")
-        free = {k: v for k, v in cluster.available.items() if k in need}
-        return Fit("busy", f"waiting for {describe(need)} held by other work (free now: {describe(free)})")
-    if cluster.ceiling is not None and all(cluster.ceiling.get(k, 0.0) >= v for k, v in need.items()):
-        return Fit(
-            "later",
-            f"waiting for the autoscaler to add nodes for {what} ({describe(need)}; the cluster "
-            f"has {describe(have)} now)",
-        )
-    nodes = len(cluster.nodes)
-    short = [key for key, value in need.items() if have.get(key, 0.0) + 1e-9 < value]
-    if short:
-        return Fit(
-            "never",
-            f"{what} needs {describe(need)} but the cluster has {describe(have)} on {nodes} "
-            f"node(s); {remedy(short[0], have.get(short[0], 0.0))}",
-        )
-    largest = {key: max((n.get(key, 0.0) for n in cluster.nodes), default=0.0) for key in need}
-    return Fit(
-        "never",
-        f"{what} needs {describe(need)}: the cluster's {nodes} node(s) have that in all but no "
-        f"worker's share fits on one node (the largest node: {describe(largest)}); "
-        f"{remedy(sorted(need)[0])}",
-    )
-
-
-def remedy(resource: str, have: float = 1.0) -> str:
-    if resource == "GPU":
-        lacking = "no GPU" if not have else "too few GPUs"
-        return f"the cluster has {lacking}: use scaling.runtime=auto (or cpu), or fewer scaling.num_workers"
-    if resource == "TPU":
-        lacking = "no TPU" if not have else "too few TPU chips"
-        return (
-            f"the cluster has {lacking}: start Ray on the TPU hosts, or match scaling.tpu and num_workers to the slice"
-        )
-    if resource == "CPU":
-        return "use fewer workers (scaling.num_workers) or a smaller scaling.cpus_per_worker"
-    return f"remove {resource} from scaling.resources_per_worker or add nodes that have it"
-
-
-def read_cluster() -> Cluster:
-    """The connected cluster: alive nodes' totals, what is free, and an autoscaler's ceiling."""
-    import ray
-    from ray._private.state import state
-
-    nodes = [
-        {k: float(v) for k, v in node["Resources"].items() if k in CHECKED or k.startswith(("accelerator", "TPU-"))}
-        for node in ray.nodes()
-        if node.get("Alive")
-    ]
-    try:
-        ceiling = state.get_max_resources_from_cluster_config()
-    except Exception:  # no autoscaler state on this cluster
-        ceiling = None
-    return Cluster(nodes, {k: float(v) for k, v in ray.available_resources().items()}, ceiling or None)
-
-
-def check_fit(bundles: Sequence[Bundle], what: str, cluster: Cluster | None = None) -> Fit:
-    """Refuse a demand the cluster can never meet; say so when it has to wait."""
-    result = judge_fit(bundles, cluster or read_cluster(), what)
+def check_fit(bundles: Sequence[Bundle], what: str, offer: ClusterOffer) -> Fit:
+    """Refuse a demand the cluster can never meet (one line naming what it has and can start, and
+    the setting to change); say so when it has to wait for other work."""
+    result = judge_fit(bundles, offer, what)
     if result.verdict == "never":
         raise ConfigError(result.message)
-    if result.message:
+    if result.verdict == "busy":
         print(f"raytpu: {result.message}", flush=True)
     return result
-
-
-def concurrent_fits(trial: Sequence[Bundle], nodes: Sequence[Bundle], limit: int = 64) -> int:
-    """How many trials with the bundles ``trial`` fit on ``nodes`` at once (at least 1)."""
-    count = 1
-    while count < limit and pack(list(trial) * (count + 1), nodes):
-        count += 1
-    return count

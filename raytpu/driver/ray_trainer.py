@@ -15,6 +15,7 @@ from typing import Any
 from raytpu.config import Config
 from raytpu.config.plan import Plan
 from raytpu.errors import RunFailed
+from raytpu.runtime.placement import Bundle
 from raytpu.runtime.tpu import check_num_workers, slice_spec, workers_for_layout
 from raytpu.storage.filesystems import filesystem, is_remote
 from raytpu.worker.batch_finder import ray_max_failures
@@ -31,6 +32,8 @@ def scaling_kwargs(cfg: Config) -> dict[str, Any]:
         "resources_per_worker": resources,
     }
     tpu = cfg.scaling.tpu
+    if cfg.scaling.runtime == "xla" and resources.get("TPU"):  # one worker's chips (raytpu.runtime.placement)
+        kwargs["use_tpu"] = True
     if cfg.scaling.runtime == "xla" and tpu.accelerator_type:
         spec = slice_spec(tpu.accelerator_type, tpu.topology)
         check_num_workers(spec, tpu.layout, cfg.scaling.num_workers)
@@ -42,6 +45,15 @@ def scaling_kwargs(cfg: Config) -> dict[str, Any]:
             resources_per_worker={**resources, **tpu_resources},
         )
     return kwargs
+
+
+def worker_bundles(cfg: Config) -> list[Bundle]:
+    """One resource bundle per worker, as the run's ``TorchTrainer`` reserves them."""
+    kwargs = scaling_kwargs(cfg)
+    bundle = {name: float(amount) for name, amount in kwargs["resources_per_worker"].items() if amount}
+    if kwargs["use_gpu"]:
+        bundle.setdefault("GPU", 1.0)
+    return [bundle] * cfg.scaling.num_workers
 
 
 def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
@@ -115,26 +127,32 @@ def read_datasets(cfg: Config, job: Any, mode: str) -> dict[str, Any]:
     and then shuffled globally at every epoch (``random_shuffle``); a larger one streams from
     storage, a fresh read per epoch with its files shuffled.
     """
-    import ray.data
-
-    from raytpu.job import table_for
     from raytpu.storage.tables import open_prepared
 
     prepared = open_prepared(cfg.data.path, job.name)
     datasets = {}
     for split in ("train", "valid") if mode == "train" else ("test",):
-        table = table_for(job, cfg, split)
-        paths = prepared.paths(table)
-        if split != "train" or materialize_train(cfg, prepared, table):
-            dataset = ray.data.read_parquet(paths, filesystem=prepared.fs).materialize()
-            if split == "train" and cfg.data.shuffle:
-                dataset = dataset.random_shuffle()
-        else:
-            shuffle = "files" if cfg.data.shuffle else None
-            dataset = ray.data.read_parquet(paths, filesystem=prepared.fs, shuffle=shuffle)
-        dataset.context.enable_progress_bars = False  # per-operator bars on every worker flood the run's log
-        datasets[split] = dataset
+        datasets[split] = read_split(cfg, job, prepared, split)
     return datasets
+
+
+def read_split(cfg: Config, job: Any, prepared: Any, split: str) -> Any:
+    """One split's Ray Dataset (:func:`read_datasets`)."""
+    import ray.data
+
+    from raytpu.job import table_for
+
+    table = table_for(job, cfg, split)
+    paths = prepared.paths(table)
+    if split != "train" or materialize_train(cfg, prepared, table):
+        dataset = ray.data.read_parquet(paths, filesystem=prepared.fs).materialize()
+        if split == "train" and cfg.data.shuffle:
+            dataset = dataset.random_shuffle()
+    else:
+        shuffle = "files" if cfg.data.shuffle else None
+        dataset = ray.data.read_parquet(paths, filesystem=prepared.fs, shuffle=shuffle)
+    dataset.context.enable_progress_bars = False  # per-operator bars on every worker flood the run's log
+    return dataset
 
 
 def materialize_train(cfg: Config, prepared: Any, table: str) -> bool:
@@ -177,13 +195,31 @@ def fit(trainer: Any) -> Any:
         del error  # no cycle through this frame: the run's objects go with the exception
 
 
-def run_trainer(trainer: Any) -> Any:
-    """:func:`fit`; a failed run becomes :class:`~raytpu.errors.RunFailed`: ``rank N: <its
-    error>`` and the failing rank's traceback."""
+def wait_for_workers(plan: Plan) -> None:
+    """When the plan's workers need nodes that the cluster's autoscaler has yet to start, wait for
+    them before the ``TorchTrainer`` starts (:func:`raytpu.driver.capacity.wait_for_nodes`: what it
+    waits for, and a limit), instead of Ray Train's silent wait and its one-minute retries."""
+    from raytpu.driver.capacity import read_offer, wait_for_nodes
+    from raytpu.driver.cluster import joined_here
+    from raytpu.runtime.placement import judge_fit
+
+    cfg = plan.config
+    offer = read_offer(this_machine=joined_here())
+    bundles = worker_bundles(cfg)
+    what = f"{cfg.scaling.num_workers} {cfg.scaling.runtime} worker(s)"
+    if judge_fit(bundles, offer, what).verdict == "later":
+        wait_for_nodes(bundles, what, cfg.scaling.node_start_timeout_s, offer)
+
+
+def run_plan(plan: Plan) -> Any:
+    """The plan's ``TorchTrainer`` once its nodes are up (:func:`wait_for_workers`), to the end
+    (:func:`fit`); a failed run becomes :class:`~raytpu.errors.RunFailed`: ``rank N: <its error>``
+    and the failing rank's traceback."""
     from ray.train import TrainingFailedError
 
+    wait_for_workers(plan)
     try:
-        return fit(trainer)
+        return fit(build_trainer(plan))
     except TrainingFailedError as exc:
         summary, details = root_cause(exc)
         raise RunFailed(summary, details) from exc

@@ -28,11 +28,21 @@ from raytpu.config import Config, ConfigError, dump_yaml, with_values
 from raytpu.config.batching import BatchPlan
 from raytpu.config.plan import Plan, resolve_config, storage_of
 from raytpu.driver import preflight
-from raytpu.driver.cluster import STARTED_HERE, check_reachable, connect, joined, leave, ray_for_this_command
+from raytpu.driver.capacity import read_offer
+from raytpu.driver.cluster import (
+    STARTED_HERE,
+    check_reachable,
+    connect,
+    joined,
+    joined_here,
+    leave,
+    ray_for_this_command,
+)
 from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunFailed, RunStopped
-from raytpu.job import Job, Synthesizes
-from raytpu.runtime.base import pick_runtime, resolve_precision
+from raytpu.job import Job, Synthesizes, Tabular
+from raytpu.runtime.base import resolve_precision
+from raytpu.runtime.placement import ClusterOffer, Placement, place
 from raytpu.storage.filesystems import is_remote, join
 from raytpu.storage.run_folder import RunFolder
 from raytpu.worker import timing
@@ -119,6 +129,26 @@ def resolve_data_root(cfg: Config, job: Job, synthesize: bool | None = None) -> 
     )
 
 
+def reading_data(cfg: Config, job: Job, local: bool) -> Config:
+    """A bucket in ``data.path`` is read through Ray Data (``data.loader=ray``: the parquet tables
+    ``raytpu data prepare`` wrote there), said in a line; a job without tables, or ``--local``,
+    needs a folder, and says so."""
+    if not is_remote(cfg.data.path) or cfg.data.loader == "ray":
+        return cfg
+    if local:
+        raise ConfigError(
+            f"--local reads data from this machine's disk: data.path={cfg.data.path} is a bucket, which raytpu "
+            "reads through Ray Data (drop --local), or copy the data to a folder here"
+        )
+    if not isinstance(job, Tabular):
+        raise ConfigError(
+            f"data.path={cfg.data.path} is a bucket, and job {job.name!r} reads a folder (it has no parquet tables "
+            "for data.loader=ray): give a folder that every node has"
+        )
+    print(f"raytpu: data.path is a bucket: reading {job.name}'s parquet tables through Ray Data (data.loader=ray)")
+    return with_values(cfg, {"data.loader": "ray"})
+
+
 def synthesize_data(cfg: Config, job: Synthesizes, target: Path) -> Path:
     print(f"raytpu: data not found; synthesizing a small {cfg.job.name} data set in {target}", flush=True)
     job.synthesize(target, **job.synth_options(cfg))
@@ -134,6 +164,7 @@ def plan_run(cfg: Config, job: Job, mode: str, address: str | None = None, local
         raise ConfigError(
             "test mode needs weights: pass --checkpoint PATH (or --weight-path / checkpoint.weights=PATH)"
         )
+    cfg = reading_data(cfg, job, local)
     if local:
         preflight.check_local(cfg)
     else:
@@ -143,22 +174,23 @@ def plan_run(cfg: Config, job: Job, mode: str, address: str | None = None, local
     data_root = resolve_data_root(cfg, job, synthesize=None if mode == "train" else False)
     sizes = preflight.check_data(cfg, job, data_root, mode)
     if local:
-        runtime = local_runtime(cfg.scaling.runtime)
+        offer = local_offer()
     else:
         connect(address, quiet=mode == "test", verbose=cfg.logging.verbose)
-        accelerators = cluster_accelerators()
-        runtime = pick_runtime(cfg.scaling.runtime, accelerators["TPU"] > 0, accelerators["GPU"] > 0)
-        preflight.check_sharded_workers(cfg, runtime, accelerators)
-    precision, warning = resolve_precision(runtime, cfg.scaling.precision)
+        offer = read_offer(this_machine=joined_here())
+    placement = place_workers(cfg, offer, local)
+    precision, warning = resolve_precision(placement.runtime, cfg.scaling.precision)
     if warning:
         print(f"raytpu: warning: {warning}", file=sys.stderr, flush=True)
-    resolved = resolve_config(cfg, runtime, precision)
+    resolved = resolve_config(cfg, placement.runtime, precision, placement)
     for split, samples in sizes.items():
         BatchPlan.of(resolved).check_split(split, samples, str(data_root))
     if not local:
+        from raytpu.driver.ray_trainer import worker_bundles
+
         resolved = leave_cpu_for_ray_data(resolved)
-        what = f"{resolved.scaling.num_workers} {runtime} worker(s)"
-        preflight.check_fit(preflight.worker_bundles(resolved), what)
+        what = f"{resolved.scaling.num_workers} {placement.runtime} worker(s)"
+        preflight.check_fit(worker_bundles(resolved), what, offer)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     name = cfg.run.name if mode == "train" else f"{cfg.run.name}/test-{stamp}"
     plan = Plan(
@@ -185,23 +217,30 @@ def where_it_runs(plan: Plan, cluster: str) -> str:
     )
 
 
-def cluster_accelerators() -> dict[str, float]:
-    import ray
+def place_workers(cfg: Config, offer: ClusterOffer, local: bool) -> Placement:
+    """The runtime and the workers' resources from what the cluster has and can start, said in a
+    line when ``auto`` chose or the placement differs from the config."""
+    scaling = cfg.scaling
+    named_slice = bool(scaling.tpu.accelerator_type)
+    placement = place(scaling.runtime, scaling.num_workers, scaling.tpu.layout, named_slice, offer)
+    preflight.check_sharded_workers(cfg, placement.runtime, {k: float(offer.offers(k)) for k in ("TPU", "GPU")})
+    if local:
+        preflight.check_local_accelerators(placement, offer)
+    if placement.why:
+        print(f"raytpu: scaling.runtime auto -> {placement.runtime}: {placement.why}", flush=True)
+    if placement.note:
+        print(f"raytpu: {placement.note}", flush=True)
+    return placement
 
-    resources = ray.cluster_resources()
-    return {kind: resources.get(kind, 0) for kind in ("TPU", "GPU")}
 
-
-def local_runtime(requested: str) -> str:
-    """``auto`` resolved on this machine for ``--local`` (device files for a TPU, never torch_xla)."""
+def local_offer() -> ClusterOffer:
+    """This machine as ``--local`` sees it: its CPUs, GPUs and TPU device files (never torch_xla)."""
     import torch
 
     from raytpu.runtime import tpu_present
 
-    runtime = pick_runtime(requested, tpu_present(), torch.cuda.is_available())
-    if runtime == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("scaling.runtime=cuda but this machine has no GPU; use scaling.runtime=auto (or cpu)")
-    return runtime
+    node = {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count()), "TPU": float(tpu_present())}
+    return ClusterOffer(nodes=(node,), available=node, this_machine=True)
 
 
 def leave_cpu_for_ray_data(cfg: Config) -> Config:
@@ -282,10 +321,10 @@ def write_goodput_scalars(folder: RunFolder, record: dict[str, Any], step: int) 
 
 
 def train_on_ray(plan: Plan) -> RunSummary:
-    from raytpu.driver.ray_trainer import build_trainer, run_trainer
+    from raytpu.driver.ray_trainer import run_plan
 
     try:
-        result = run_trainer(build_trainer(plan))
+        result = run_plan(plan)
     except RunFailed:
         if is_remote(plan.storage):
             preflight.check_still_answering(plan.storage)
@@ -317,9 +356,9 @@ def train_locally(plan: Plan, stop: StopOnSignal) -> RunSummary:
 
 def test(cfg: Config, job: Job, address: str | None = None) -> dict[str, float]:
     """Evaluate ``checkpoint.weights``; returns the test metrics."""
-    from raytpu.driver.ray_trainer import build_trainer, run_trainer
+    from raytpu.driver.ray_trainer import run_plan
 
     with ray_for_this_command():
         plan = plan_run(cfg, job, "test", address)
-        result = run_trainer(build_trainer(plan))
+        result = run_plan(plan)
     return json.loads(RunFolder(located(plan, result.checkpoint)).read_text("test_metrics.json") or "{}")

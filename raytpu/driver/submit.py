@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import importlib.util
+import logging
 import os
 import re
 import shlex
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from raytpu.config import Config, load_config
 from raytpu.config.args import extract
+from raytpu.job import job_module
 from raytpu.storage.filesystems import check_location, join
 
 # Never uploaded with the working directory (gitignore syntax, relative to it): data sets,
@@ -78,9 +82,13 @@ def entrypoint(config: str, overrides: list[str]) -> str:
     return shlex.join(["raytpu", "train", config, *overrides])
 
 
-def runtime_env(project: Path) -> dict[str, Any]:
-    """The job's runtime environment: the project folder as working directory, without its data and outputs."""
-    return {"working_dir": str(project), "excludes": list(EXCLUDES)}
+def runtime_env(project: Path, py_modules: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The job's runtime environment: the project folder as working directory, without its data and
+    outputs, and the job's own package when it lives elsewhere."""
+    env: dict[str, Any] = {"working_dir": str(project), "excludes": list(EXCLUDES)}
+    if py_modules:
+        env["py_modules"] = list(py_modules)
+    return env
 
 
 def submission_id(run_name: str, now: datetime.datetime | None = None) -> str:
@@ -102,21 +110,96 @@ def auth_headers(environ: Mapping[str, str] = os.environ, home: Path | None = No
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def cluster_warnings(cfg: Config) -> list[str]:
-    """Paths in the config that would not mean on the cluster what they mean here."""
-    notes = []
-    if not _is_absolute(cfg.run.storage_path):
-        notes.append(
-            f"run.storage_path {cfg.run.storage_path!r} is relative: on the cluster it is inside the job's "
-            "temporary working directory; pass a bucket (gs://BUCKET/runs) or a folder every node mounts (NFS)"
+@dataclass(frozen=True)
+class Shipment:
+    """What a job takes to the cluster: the config as the cluster names it (relative to the working
+    directory), extra Python packages (``runtime_env`` ``py_modules``), and notes for the console."""
+
+    config: str
+    py_modules: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def shipment(cfg: Config, job_module: str, config: str, project: Path) -> Shipment:
+    """Check, before anything is submitted, that the job finds on the cluster what it finds here:
+    the config and the data (a relative path that only this machine has is one error that says what
+    to do), the job module (one outside the project folder travels as a ``py_modules`` package)."""
+    path = Path(config)
+    if not uploaded(path, project):
+        raise SubmitError(
+            f"the config {config} is not in what raytpu submit uploads (the folder {project}, less data/, "
+            "results/ and what .gitignore leaves out): move it into the project folder, or submit from "
+            "a folder that holds it"
         )
-    if cfg.data.path and not _is_absolute(cfg.data.path):
-        notes.append(
-            f"data.path {cfg.data.path!r} is relative and data/ is not uploaded: the job "
-            + ("synthesizes it" if cfg.data.synthesize_if_missing else "will not find it")
-            + "; pass data.path=<a path that exists on the cluster>"
+    notes = [storage_note(cfg)] if not _is_absolute(cfg.run.storage_path) else []
+    notes += data_notes(cfg, project)
+    return Shipment(
+        str(path.resolve().relative_to(project.resolve())), tuple(job_packages(job_module, project)), tuple(notes)
+    )
+
+
+def uploaded(path: Path, project: Path) -> bool:
+    """Whether Ray's packing of the working directory ``project`` takes ``path``: inside it, and
+    neither it nor a folder above it excluded (:data:`EXCLUDES`, the project's .gitignore and
+    .rayignore, matched by Ray's own functions, as when it packs)."""
+    from ray._private.runtime_env.packaging import _get_excludes, get_excludes_from_ignore_files
+
+    project, path = project.resolve(), path.resolve()
+    if not path.is_relative_to(project):
+        return False
+    quiet = logging.getLogger(f"{__name__}.packaging")
+    rules = [_get_excludes(project, EXCLUDES), *get_excludes_from_ignore_files(project, True, logger=quiet)]
+    inside = [path, *path.parents[: len(path.parents) - len(project.parents) - 1]]
+    return not any(rule(part) for rule in rules for part in inside)
+
+
+def storage_note(cfg: Config) -> str:
+    return (
+        f"run.storage_path {cfg.run.storage_path!r} is relative: on the cluster it is inside the job's "
+        "temporary working directory; pass a bucket (gs://BUCKET/runs) or a folder every node mounts (NFS)"
+    )
+
+
+def data_notes(cfg: Config, project: Path) -> list[str]:
+    """A relative ``data.path``: uploaded with the project, or made by the job on the cluster, or
+    an error (it exists only here, or nowhere); an absolute one names a path on the nodes."""
+    data = cfg.data.path
+    if not data or _is_absolute(data):
+        return []
+    here = project / data
+    if here.exists() and uploaded(here, project):
+        return [f"data.path {data!r} travels with the job (Ray uploads at most 500 MiB: a larger set goes in a bucket)"]
+    if cfg.data.synthesize_if_missing:
+        where = "is not uploaded" if here.exists() else "does not exist here"
+        return [f"data.path {data!r} {where}: the job synthesizes a small set there (data.synthesize_if_missing)"]
+    if here.exists():
+        raise SubmitError(
+            f"data.path {data!r} is on this machine only (raytpu submit does not upload data/, results/ nor what "
+            f".gitignore leaves out): put it in a bucket (`raytpu data prepare {cfg.job.name} --src {data} --out "
+            "gs://BUCKET/PREFIX`, then data.path=gs://BUCKET/PREFIX), on a path every node has (data.path=/mnt/...), "
+            "or, if small, in a folder of the project that is uploaded with it"
         )
-    return notes
+    raise SubmitError(
+        f"data.path {data!r} exists neither here nor, relative to the job's working directory, on the cluster: "
+        "give a path every node has (data.path=/mnt/...) or a bucket (data.path=gs://BUCKET/PREFIX)"
+    )
+
+
+def job_packages(module: str, project: Path) -> list[str]:
+    """The job module's top-level package when it lives outside the project folder (and outside
+    raytpu, which every node has installed): it travels as a ``py_modules`` folder."""
+    spec = importlib.util.find_spec(module)
+    origin = Path(spec.origin) if spec and spec.origin else None
+    if origin is None or module.startswith("raytpu.") or uploaded(origin, project):
+        return []
+    top = importlib.util.find_spec(module.split(".")[0])
+    locations = list(top.submodule_search_locations or []) if top else []
+    if not locations:
+        raise SubmitError(
+            f"job module {module} is a single file outside {project}: put it in a package (a folder with "
+            "__init__.py), which raytpu submit sends with the job, or in the project folder"
+        )
+    return [str(Path(locations[0]).resolve())]
 
 
 def follow_up(address: str, job_id: str, cfg: Config) -> list[str]:
@@ -205,22 +288,25 @@ def launch_entrypoint(items: list[str]) -> tuple[str | None, bool, Config, str]:
 
 def main(config: str, overrides: list[str]) -> int:
     """Check the config, submit the job, print how to follow it; with waiting, its exit status."""
+    project = Path.cwd()
     if config == "launch":
         address, wait, cfg, command = launch_entrypoint(overrides)
+        ship = Shipment(config)
     else:
         address, wait, overrides = split_args(overrides)
         cfg, _ = load_config(config, overrides)  # a bad key fails here, before anything is uploaded
-        command = entrypoint(config, overrides)
+        ship = shipment(cfg, job_module(cfg.job.name), config, project)
+        command = entrypoint(ship.config, overrides)
     check_location(cfg.run.storage_path, "run.storage_path")  # the cluster checks that it can write there
     url = dashboard_url(address)
     client = connect(url)
-    for note in cluster_warnings(cfg):
-        print(f"raytpu: warning: {note}", file=sys.stderr)
+    for note in ship.notes:
+        print(f"raytpu: {note}", file=sys.stderr)
     try:
         job_id = client.submit_job(
             entrypoint=command,
             submission_id=submission_id(cfg.run.name),
-            runtime_env=runtime_env(Path.cwd()),
+            runtime_env=runtime_env(project, ship.py_modules),
             metadata={"raytpu_config": config, "raytpu_run": cfg.run.name},
         )
     except Exception as exc:  # the SDK raises RuntimeError or AuthenticationError, both with a readable first line

@@ -26,11 +26,12 @@ from raytpu.config import Config, ConfigError, TuneConfig, dump_yaml, from_dict,
 from raytpu.config.args import extract
 from raytpu.config.batching import BatchPlan
 from raytpu.config.plan import Plan, resolve_config, storage_of
-from raytpu.driver import preflight
-from raytpu.driver.cluster import ray_for_this_command
-from raytpu.driver.ray_trainer import ray_storage
+from raytpu.driver.capacity import read_offer
+from raytpu.driver.cluster import joined_here, ray_for_this_command
+from raytpu.driver.ray_trainer import ray_storage, wait_for_workers, worker_bundles
 from raytpu.driver.search import Search, parse_search, searches_of
 from raytpu.job import Job
+from raytpu.runtime.placement import concurrent_fits
 from raytpu.storage.filesystems import join
 from raytpu.storage.run_folder import RunFolder
 from raytpu.worker import timing
@@ -111,9 +112,15 @@ def trial_plan(base: Config, sweep: Plan, values: dict[str, Any], trial_id: str,
         # the sweep records the searched values, early-stopped trials included
         {"run.name": trial_id, "run.storage_path": runs_dir, "logging.hparams": False},
     )
-    resolved = with_values(
-        resolve_config(cfg, scaling.runtime, scaling.precision), {"scaling.cpus_per_worker": scaling.cpus_per_worker}
-    )
+    placed = {
+        "data.loader": sweep.config.data.loader,
+        "scaling.num_workers": scaling.num_workers,
+        "scaling.resources_per_worker": scaling.resources_per_worker,
+        "scaling.cpus_per_worker": scaling.cpus_per_worker,
+        "scaling.tpu.accelerator_type": scaling.tpu.accelerator_type,
+        "scaling.tpu.topology": scaling.tpu.topology,
+    }
+    resolved = resolve_config(with_values(cfg, placed), scaling.runtime, scaling.precision)
     for split, samples in sweep.split_sizes:
         BatchPlan.of(resolved).check_split(split, samples, sweep.data_root)
     return dataclasses.replace(sweep, config=resolved, storage=runs_dir, name=trial_id)
@@ -134,7 +141,7 @@ def max_concurrent_trials(cfg: Config, nodes: list[dict[str, float]]) -> int:
     """Trials whose workers all fit on the cluster's nodes at once (at least one). Tune does not
     reserve the workers of a trial, so more trials would start drivers whose TorchTrainers wait on
     each other for ever: a larger ``tune.max_concurrent`` is clamped to this, with a warning."""
-    fits = preflight.concurrent_fits(preflight.worker_bundles(cfg), nodes)
+    fits = concurrent_fits(worker_bundles(cfg), nodes)
     asked = cfg.tune.max_concurrent
     if asked > fits:
         print(
@@ -233,7 +240,7 @@ def run(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
     searches = searches_of(cfg)
     plan = plan_run(cfg, job, "train", address)
     sweep = Sweep(cfg, job, searches, plan.data_root)
-    concurrent = max_concurrent_trials(plan.config, preflight.read_cluster().nodes)
+    concurrent = max_concurrent_trials(plan.config, read_offer(this_machine=joined_here()).capacities())
     runs = join(sweep.dir, "runs")
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, base=to_dict(cfg), sweep_plan=plan.as_dict(), runs_dir=runs),
@@ -245,6 +252,7 @@ def run(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
         f"{cfg.tune.scheduler} on {sweep.metric} ({sweep.mode}); directory {sweep.dir}",
         flush=True,
     )
+    wait_for_workers(plan)  # the first trial's nodes; later trials find them up, or wait in Ray Train
     results = tuner.fit()
     return finish(sweep, results)
 

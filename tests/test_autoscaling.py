@@ -1,0 +1,112 @@
+"""Clusters as users have them: accelerator nodes that an autoscaler starts on demand. Each test runs
+``tests/autoscaling_cluster.py`` in a PID namespace of its own (Ray's autoscaler with the fake
+multi-node provider and ``cluster.yaml``'s node types, its head started by ``cluster.yaml``'s own
+start commands with token authentication) and checks what it saw: the runtime ``auto`` picks from
+the node types, the TPU or GPU each worker asks for, the node the autoscaler starts for them (and
+releases after), the run in the S3 bucket, and the one-line errors of a request no node type can
+satisfy, of a wait that runs out, and of a client without the cluster's token."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from raytpu.storage.run_folder import RunFolder, local_copy
+from tests.stores import BUCKET, S3_KEYS
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cluster(scenario: str, env: dict[str, str]) -> dict[str, Any]:
+    """One scenario of ``tests.autoscaling_cluster`` in a PID namespace; its report."""
+    out = tempfile.mkdtemp(prefix="rtas-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    try:
+        done = subprocess.run(
+            ["unshare", "-fp", "--mount-proc", sys.executable, "-m", "tests.autoscaling_cluster", out, scenario],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        reports = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        assert done.returncode == 0 and reports, done.stdout[-3000:] + done.stderr[-3000:]
+        return json.loads(reports[-1])
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def error_line(result: dict[str, Any]) -> str:
+    """The command's one ``raytpu: error:`` line (and no traceback of its own)."""
+    errors = [line for line in result["err"].splitlines() if line.startswith("raytpu: error:")]
+    assert len(errors) == 1 and "Traceback" not in result["err"], result["err"][-3000:]
+    return errors[0]
+
+
+def launched(report: dict[str, Any]) -> list[str]:
+    return [name for name in report["types_launched"] if not name.startswith("node_")]  # the head's is its id
+
+
+def test_a_tpu_run_submitted_to_a_cluster_from_cluster_yaml_starts_its_tpu_node(stores) -> None:
+    runs = f"s3://{BUCKET}/autoscaling"
+    report = run_cluster("tpu", {"RAYTPU_AUTOSCALING_RUNS": runs})
+    assert report["start_commands"][0] == "ray stop"
+    assert "RAY_AUTH_MODE=token ray start --head" in report["start_commands"][1]
+
+    no_token = report["no_token_mode"]
+    line = error_line(no_token)
+    assert no_token["code"] == 2 and no_token["seconds"] < 30
+    assert "uses token authentication and this client sends no token: export RAY_AUTH_MODE=token" in line
+    impossible = report["impossible"]
+    line = error_line(impossible)
+    assert impossible["code"] == 2 and impossible["seconds"] < 30
+    assert "1 cuda worker(s) needs 1 CPU, 8 GPU" in line and "no node has 8 GPU" in line
+    for node_type in ("tpu_v5e_8 (2 CPU, 8 TPU; at most 1)", "tpu_v5e_16_slice (2 CPU, 4 TPU; at most 4)"):
+        assert node_type in line
+    assert "gpu_t4 (2 CPU, 1 GPU; at most 2)" in line
+    assert not [name for name in report["types_before_submit"] if not name.startswith("node_")]
+
+    submit = report["submit"]
+    assert submit["code"] == 0, submit["out"][-3000:] + submit["err"][-3000:]
+    out = submit["out"]
+    assert "raytpu: scaling.runtime auto -> xla: the autoscaler can start TPU nodes: tpu_v5e_8 (8 TPU)" in out
+    assert "1 xla worker(s) (1 CPU, 8 TPU each) wait for the autoscaler to start nodes" in out
+    assert f"best checkpoint:   {runs}/on-demand/checkpoint_" in out and "succeeded" in out.splitlines()[-1]
+    assert launched(report) == ["tpu_v5e_8"]
+    assert report["workers"] and {w["node_type"] for w in report["workers"]} == {"tpu_v5e_8"}, report["workers"]
+    assert report["released_after_s"] is not None
+
+    run = RunFolder(f"{runs}/on-demand")
+    assert [n for n in run.children() if n.startswith("checkpoint_0") and run.exists(f"{n}/meta.json")]
+    seen = {"runtime_env": json.dumps(report["runtime_env"]), "job logs": out + submit["err"]}
+    seen["config.yaml"] = run.read_text("config.yaml") or ""
+    with local_copy(run.uri("tensorboard")) as events:
+        seen["tensorboard"] = "".join(p.read_bytes().decode("latin-1") for p in events.iterdir())
+    for secret in S3_KEYS.values():  # each node reads its own keys; none travels with the job
+        assert not [where for where, text in seen.items() if secret in text], secret
+
+
+def test_auto_picks_cuda_from_a_gpu_node_type_and_a_wait_gives_up_after_its_limit() -> None:
+    report = run_cluster("gpu", {})
+    auto = report["auto"]
+    out = auto["out"]
+    assert "raytpu: scaling.runtime auto -> cuda: the autoscaler can start GPU nodes: gpu_t4 (1 GPU)" in out
+    assert "1 cuda worker(s) (1 CPU, 1 GPU each) wait for the autoscaler to start nodes" in out
+    assert auto["code"] == 1 and "GPU" in error_line(auto)  # the fake GPU node has no CUDA device
+    assert launched(report) == ["gpu_t4"] and report["released_after_s"] is not None
+
+    gives_up = report["gives_up"]
+    line = error_line(gives_up)
+    assert gives_up["code"] == 1 and gives_up["seconds"] < 30
+    assert "waiting for the autoscaler to start nodes for 1 cuda worker(s) (1 CPU, 1 GPU each;" in line
+    assert "raise scaling.node_start_timeout_s" in line
