@@ -187,3 +187,10 @@ def test_a_bucket_in_data_path_is_read_through_ray_data_or_refused_in_one_line()
         reading_data(cfg, FolderOnly(), local=False)
     local, _ = load_config(SMALL, ["data.path=/data/mshnet"])
     assert reading_data(local, job, local=False) is local
+
+
+def test_per_device_batches_count_the_chips_a_worker_is_given() -> None:
+    """TrainingArguments' per-device batch on a TPU host the autoscaler starts: a device is a chip."""
+    cfg, _ = load_config(SMALL, ["scaling.num_workers=1", "--per_device_train_batch_size", "2"])
+    placement = place("auto", 1, "spmd", False, autoscaling())
+    assert resolve_config(cfg, "xla", "bf16", placement).data.global_batch_size == 2 * 8

@@ -143,6 +143,8 @@ def data_parallel_replicas(cfg: Config) -> int:
     scaling = cfg.scaling
     if scaling.runtime != "xla" or scaling.tpu.layout == "multiprocess":
         return scaling.num_workers
+    if not scaling.tpu.accelerator_type and scaling.resources_per_worker.get("TPU"):  # a host's chips each
+        return int(scaling.resources_per_worker["TPU"]) * scaling.num_workers
     if not scaling.tpu.accelerator_type:
         raise ConfigError(
             "per-device batch sizes on xla need the slice's chip count: set scaling.tpu.accelerator_type "

@@ -38,7 +38,10 @@ def make_runtime(
     """Build the runtime asked for (``auto`` resolved here, on the worker)."""
     name = pick_runtime(runtime, tpu_present(), torch.cuda.is_available())
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("scaling.runtime=cuda but this worker sees no GPU; use runtime=cpu or auto")
+        raise RuntimeError(
+            "scaling.runtime=cuda but this worker sees no GPU: check the node's GPU (nvidia-smi, "
+            "CUDA_VISIBLE_DEVICES), or run with scaling.runtime=cpu"
+        )
     bf16_ok = name != "cuda" or torch.cuda.is_bf16_supported()
     resolved, message = resolve_precision(name, precision, bf16_ok)
     if message:
