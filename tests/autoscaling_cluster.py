@@ -28,6 +28,7 @@ Scenarios (each prints one JSON line of what it saw, for the test to check):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -51,10 +52,14 @@ TINY = ["job.base_size=32", "job.crop_size=32", "job.warm_epoch=0", "loop.epochs
         "logging.progress_bar=false", "logging.eval_images=0", "scaling.num_workers=1"]  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports (all held open while they are picked: one at a time, the
+    system may hand out the same port twice)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 # ------------------------------------------------------------------ the cluster
@@ -112,7 +117,8 @@ class Head:
 
     def __init__(self, out: Path, keep: tuple[str, ...]) -> None:
         launcher = yaml.safe_load((ROOT / "cluster.yaml").read_text())
-        self.gcs_port, self.dashboard_port = free_port(), free_port()
+        self.ports = free_ports(10)
+        self.gcs_port, self.dashboard_port = self.ports.pop(), self.ports.pop()
         self.gcs = f"127.0.0.1:{self.gcs_port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         self.temp_dir = Path(out) / "ray"  # short: Ray's socket paths have a length limit
@@ -137,18 +143,14 @@ class Head:
         head = launcher["available_node_types"][launcher["head_node_type"]]
         replaced = (
             command.replace("--port=6379", f"--port={self.gcs_port}")
-            .replace("--object-manager-port=8076", f"--object-manager-port={free_port()}")
+            .replace("--object-manager-port=8076", f"--object-manager-port={self.ports.pop()}")
             .replace("--autoscaling-config=~/ray_bootstrap_config.yaml", f"--autoscaling-config={self.config}")
         )
-        ports = {
-            "--dashboard-port": self.dashboard_port,
-            "--ray-client-server-port": free_port(),
-            "--dashboard-agent-listen-port": free_port(),
-            "--dashboard-agent-grpc-port": free_port(),
-            "--metrics-export-port": free_port(),
-            "--runtime-env-agent-port": free_port(),
-            "--node-manager-port": free_port(),
-        }
+        ports = {"--dashboard-port": self.dashboard_port}
+        for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port"):
+            ports[flag] = self.ports.pop()
+        for flag in ("--metrics-export-port", "--runtime-env-agent-port", "--node-manager-port"):
+            ports[flag] = self.ports.pop()
         extra = [f"{flag}={port}" for flag, port in ports.items()]
         extra += ["--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", "--include-dashboard=true"]
         extra += [f"--num-cpus={min(head['resources'].get('CPU', 0), 2):g}", f"--temp-dir={self.temp_dir}"]
