@@ -11,6 +11,6 @@ def report(metrics: dict[str, Any]) -> None:
     """Send ``metrics`` (numbers) to Ray Train from a script run by ``raytpu launch``; outside
     ``raytpu launch`` it does nothing, so the script keeps running under ``python``, ``torchrun``
     or ``accelerate launch``."""
-    from raytpu.compat.script_runner import report as publish
+    from raytpu.worker.script import report as publish
 
     publish(metrics)

@@ -25,7 +25,7 @@ EXIT_FAILED = 1
 def command_start() -> float:
     """When the running command started: the process's start when ``raytpu`` is the program (its
     imports count as start-up), else the call of :func:`main` (another program that calls it)."""
-    from raytpu.worker.timing import process_started
+    from raytpu.records.goodput import process_started
 
     program = str(getattr(sys.modules.get("__main__"), "__file__", "") or "")
     return process_started() if Path(program).name in ("raytpu", "cli.py") else time.time()
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_launch_parser(sub: argparse._SubParsersAction) -> None:
-    from raytpu.compat.launch import LAUNCH_TEXT, add_launch_arguments
+    from raytpu.driver.launch import LAUNCH_TEXT, add_launch_arguments
 
     add_launch_arguments(sub.add_parser("launch", help=LAUNCH_TEXT, description=LAUNCH_TEXT))
 
@@ -128,7 +128,7 @@ def dispatch(args: argparse.Namespace, started: float) -> int:
     if args.command == "export":
         return export_command(args)
     if args.command == "launch":
-        from raytpu.compat import launch
+        from raytpu.driver import launch
 
         return launch.main(args, args.address, started)
     if args.command == "tune":

@@ -65,7 +65,7 @@ def free_ports(count: int) -> list[int]:
 # ------------------------------------------------------------------ the cluster
 def mirror(launcher: dict[str, Any], keep: tuple[str, ...], gcs_port: int) -> dict[str, Any]:
     """``cluster.yaml``'s node types as an autoscaling config for the fake multi-node provider."""
-    from raytpu.driver.capacity import hosts_per_launch
+    from raytpu.cluster.capacity import hosts_per_launch
 
     head_name = launcher["head_node_type"]
     head = dict(launcher["available_node_types"][head_name]["resources"])

@@ -76,7 +76,7 @@ def ray_session(stores):
     workers read their endpoints and keys from the environment, as a cloud VM's do."""
     import ray
 
-    from raytpu.driver.cluster import connect
+    from raytpu.cluster.connect import connect
 
     assert not ray.is_initialized(), "an earlier command left its Ray instance running (it would miss the stores)"
     os.environ.pop("RAY_ADDRESS", None)

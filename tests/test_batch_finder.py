@@ -14,10 +14,11 @@ from accelerate.utils.memory import should_reduce_batch_size
 from raytpu import cli
 from raytpu.config import load_config
 from raytpu.config.batching import BatchPlan
+from raytpu.records import batches
+from raytpu.records import checkpoints as ckpt
 from raytpu.runtime import make_runtime
 from raytpu.storage.run_folder import RunFolder
 from raytpu.worker import batch_finder as bf
-from raytpu.worker import checkpoint as ckpt
 from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter
 from tests.conftest import tensorboard_hparams
@@ -63,7 +64,7 @@ def test_halving_keeps_the_global_batch_by_raising_accumulation():
         assert plan.per_device(1) * plan.workers * plan.grad_accum == 32
         plan = plan.smaller(1)
     assert seen == [(16, 1), (8, 2), (4, 4), (2, 8), (1, 16)]
-    assert len(seen) - 1 == bf.max_reductions(16)
+    assert len(seen) - 1 == batches.max_reductions(16)
     assert BatchPlan(32, 1, 1).smaller(2) == BatchPlan(32, 1, 2)  # 16 per device on 2 devices -> 8
 
 
@@ -80,11 +81,11 @@ def config(*overrides: str):
 
 def test_ray_restarts_for_reductions_come_on_top_of_the_users_failures():
     on = ["loop.auto_find_batch_size=true", "scaling.num_workers=2", "data.global_batch_size=32"]
-    assert bf.ray_max_failures(config(*on)) == 4  # 16 per worker: 8, 4, 2, 1
-    assert bf.ray_max_failures(config(*on, "checkpoint.max_failures=2")) == 6
-    assert bf.ray_max_failures(config(*on, "checkpoint.max_failures=-1")) == -1
-    assert bf.ray_max_failures(config("scaling.num_workers=2", "checkpoint.max_failures=2")) == 2
-    assert bf.ray_max_failures(config("loop.auto_find_batch_size=true")) == 0  # one worker retries in-process
+    assert batches.ray_max_failures(config(*on)) == 4  # 16 per worker: 8, 4, 2, 1
+    assert batches.ray_max_failures(config(*on, "checkpoint.max_failures=2")) == 6
+    assert batches.ray_max_failures(config(*on, "checkpoint.max_failures=-1")) == -1
+    assert batches.ray_max_failures(config("scaling.num_workers=2", "checkpoint.max_failures=2")) == 2
+    assert batches.ray_max_failures(config("loop.auto_find_batch_size=true")) == 0  # one worker retries in-process
 
 
 def test_the_failure_config_ray_gets(tmp_path):
@@ -107,14 +108,14 @@ def test_the_flag_and_the_yaml_section_turn_it_on(tmp_path):
 # ------------------------------------------------------------------ record
 def test_the_record_is_read_back_only_for_the_same_batch_and_replicas(tmp_path):
     folder, configured = RunFolder(tmp_path), BatchPlan(32, 2, 1)
-    assert bf.read_record(folder, configured, 1) is None
-    bf.record(folder, BatchPlan(32, 2, 4), devices=1, failed_at=8)
-    assert bf.read_record(folder, configured, 1) == (BatchPlan(32, 2, 4), 8)
-    assert bf.read_record(folder, BatchPlan(64, 2, 1), 1) is None  # another global batch: search afresh
-    assert bf.read_record(folder, BatchPlan(32, 4, 1), 1) is None  # other replicas
-    assert bf.read_record(folder, configured, 2) is None  # other replicas: 2 workers x 2 devices
-    assert bf.read_record(folder, BatchPlan(32, 2, 8), 1) is None  # not smaller than configured
-    assert bf.recorded_text(folder, 32) == "4 per device x 4 accumulation steps (global batch 32)"
+    assert batches.read_record(folder, configured, 1) is None
+    batches.record(folder, BatchPlan(32, 2, 4), devices=1, failed_at=8)
+    assert batches.read_record(folder, configured, 1) == (BatchPlan(32, 2, 4), 8)
+    assert batches.read_record(folder, BatchPlan(64, 2, 1), 1) is None  # another global batch: search afresh
+    assert batches.read_record(folder, BatchPlan(32, 4, 1), 1) is None  # other replicas
+    assert batches.read_record(folder, configured, 2) is None  # other replicas: 2 workers x 2 devices
+    assert batches.read_record(folder, BatchPlan(32, 2, 8), 1) is None  # not smaller than configured
+    assert batches.recorded_text(folder, 32) == "4 per device x 4 accumulation steps (global batch 32)"
 
 
 # ------------------------------------------------------------------ one worker, in-process
@@ -148,7 +149,7 @@ def test_one_worker_steps_down_in_process_to_a_batch_that_fits(tmp_path, capsys,
     saved = meta["config"]
     assert (meta["step"], saved["loop"]["grad_accum"], saved["data"]["global_batch_size"]) == (8, 4, 8)
     assert (tmp_path / "config.yaml").read_text() == "saved by the driver\n"  # the record says what ran
-    assert json.loads((tmp_path / bf.RECORD).read_text())["per_device"] == 2
+    assert json.loads((tmp_path / batches.RECORD).read_text())["per_device"] == 2
     values, _ = tensorboard_hparams(tmp_path / "tensorboard")  # the attempt that trained, not the first
     assert (values["loop.grad_accum"], values["data.global_batch_size"]) == (4, 8)
 
@@ -170,7 +171,7 @@ def test_out_of_memory_at_one_sample_is_one_clear_error(tmp_path):
 def test_other_errors_are_not_retried(tmp_path):
     with pytest.raises(RuntimeError, match="fault injected"):
         fit(tmp_path, "job.fail_at_step=1")
-    assert not (tmp_path / bf.RECORD).exists()
+    assert not (tmp_path / batches.RECORD).exists()
 
 
 # ------------------------------------------------------------------ two local workers
@@ -187,7 +188,7 @@ def test_two_local_workers_restart_together_when_only_rank_1_runs_out_of_memory(
     latest = sorted(p for p in run_dir.iterdir() if p.name.startswith("checkpoint_"))[-1]
     meta = ckpt.read_meta(latest)
     # rank 1 trains 2 per device too: at 4 it would have run out of memory again and stepped down to 1
-    assert json.loads((run_dir / bf.RECORD).read_text())["grad_accum"] == 2
+    assert json.loads((run_dir / batches.RECORD).read_text())["grad_accum"] == 2
     assert (meta["step"], meta["config"]["loop"]["grad_accum"]) == (4, 2)
     assert torch.isfinite(torch.tensor(meta["metrics"]["valid/mse"]))
     assert "restarting the worker group" in (run_dir / "logs" / "rank_1.log").read_text()

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from raytpu.driver import cluster, doctor
+from raytpu.cluster import connect
+from raytpu.driver import doctor
 from tests.conftest import run_python
 
 REPORT_KEYS = {"versions", "torch_xla_match", "devices", "auto", "conflicts", "cluster", "problems", "blocking"}
@@ -55,7 +56,7 @@ def test_json_report_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None
     assert isinstance(report["devices"]["tpu"]["chips"], int)
     assert report["auto"]["runtime"] in ("cpu", "cuda", "xla")
     assert report["auto"]["precision"] == {"cpu": "fp32", "cuda": "fp16", "xla": "bf16"}[report["auto"]["runtime"]]
-    assert report["cluster"] == {"address": None, "reachable": None, "message": cluster.NO_CLUSTER, "nodes": []}
+    assert report["cluster"] == {"address": None, "reachable": None, "message": connect.NO_CLUSTER, "nodes": []}
     assert report["blocking"] is False
     assert not [p for p in report["problems"] if p["blocking"]]
 
@@ -63,7 +64,7 @@ def test_json_report_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None
 def test_table_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
     assert doctor.main([]) == 0
     out = capsys.readouterr().out
-    assert f"cluster    {cluster.NO_CLUSTER}" in out
+    assert f"cluster    {connect.NO_CLUSTER}" in out
     assert out.rstrip().endswith("result     ok")
     for name in ("python", "torch", "torch_xla", "ray", "tpu", "cuda", "cpu", "auto"):
         assert any(line.startswith(f"{name} ") for line in out.splitlines()), name
@@ -126,7 +127,7 @@ def test_exit_code() -> None:
 def test_blocking_problems() -> None:
     match_ok = doctor.check_torch_xla_match("2.9.0", "2.9.0")
     mismatch = doctor.check_torch_xla_match("2.14.1", "2.9.0")
-    no_cluster = cluster.check_cluster(None)
+    no_cluster = connect.check_cluster(None)
     unreachable = {"address": "h:6379", "reachable": False, "message": "cannot reach h:6379", "nodes": []}
     warning = doctor.problem("tensorflow", "careful", blocking=False)
     assert doctor.gather_problems(match_ok, [warning], no_cluster) == [warning]
@@ -183,17 +184,17 @@ def test_tpu_slice_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert cluster.resolve_address(None) is None
+    assert connect.resolve_address(None) is None
     monkeypatch.setenv("RAY_ADDRESS", "local")
-    assert cluster.resolve_address(None) is None
+    assert connect.resolve_address(None) is None
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
-    assert cluster.resolve_address(None) == "10.0.0.2:6379"
-    assert cluster.resolve_address("ray://head:10001") == "ray://head:10001"
-    assert cluster.host_port("10.0.0.2:6379") == ("10.0.0.2", 6379)
-    assert cluster.host_port("head") == ("head", 6379)
-    assert cluster.host_port("ray://head") == ("head", 10001)
-    assert cluster.host_port("http://127.0.0.1:8265") == ("127.0.0.1", 8265)
-    assert cluster.host_port("auto") is None
+    assert connect.resolve_address(None) == "10.0.0.2:6379"
+    assert connect.resolve_address("ray://head:10001") == "ray://head:10001"
+    assert connect.host_port("10.0.0.2:6379") == ("10.0.0.2", 6379)
+    assert connect.host_port("head") == ("head", 6379)
+    assert connect.host_port("ray://head") == ("head", 10001)
+    assert connect.host_port("http://127.0.0.1:8265") == ("127.0.0.1", 8265)
+    assert connect.host_port("auto") is None
 
 
 def test_named_cluster_that_refuses_is_blocking(capsys: pytest.CaptureFixture[str]) -> None:
@@ -214,7 +215,7 @@ def test_cluster_that_never_answers_times_out(silent_server: int, monkeypatch: p
 @pytest.mark.integration
 def test_reaches_a_running_cluster(ray_session) -> None:
     address = ray_session.get_runtime_context().gcs_address
-    found = cluster.check_cluster(address, timeout=120)
+    found = connect.check_cluster(address, timeout=120)
     assert found["reachable"] is True, found["message"]
     assert found["nodes"] and found["nodes"][0]["alive"] is True
     assert found["totals"]["CPU"] >= 1

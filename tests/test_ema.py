@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from raytpu.config import load_config
+from raytpu.records import checkpoints as ckpt
 from raytpu.runtime import make_runtime
-from raytpu.worker import checkpoint as ckpt
 from raytpu.worker.loop import Trainer
 from raytpu.worker.optim import EMA, EMASchedule
 from raytpu.worker.reporting import FolderReporter

@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from raytpu import cli
 from raytpu.driver.signals import StopOnSignal
-from raytpu.worker import checkpoint as ckpt
-from raytpu.worker import timing
+from raytpu.records import checkpoints as ckpt
+from raytpu.records import goodput as records
 
 pytestmark = pytest.mark.integration
 
@@ -115,7 +115,7 @@ def straight(ray_session, tmp_path_factory):
 
 
 def goodput(run_dir: Path) -> dict:
-    return json.loads((run_dir / timing.RECORD).read_text())
+    return json.loads((run_dir / records.RECORD).read_text())
 
 
 @pytest.mark.quiet  # the loop's own time, in the productive steps, grows on a busy machine

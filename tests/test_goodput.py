@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from raytpu.config import ConfigError, load_config
+from raytpu.records import goodput
 from raytpu.runtime import make_runtime
 from raytpu.worker import timing
 from raytpu.worker.loop import Trainer
@@ -28,7 +29,7 @@ INJECTED = {"productive": 16 * 0.05, "input": 16 * 8 * 0.004, "checkpointing": 2
 
 
 def breakdown_of(run_dir: Path) -> dict:
-    return json.loads((run_dir / timing.RECORD).read_text())
+    return json.loads((run_dir / goodput.RECORD).read_text())
 
 
 def assert_delays_land_in_their_categories(record: dict, injected: dict[str, float]) -> None:
@@ -56,18 +57,18 @@ def test_commands_and_attempts_add_up_to_the_wall_time_with_restarts_lost():
              "attempts": [attempt(105, 125, True, evaluation=4)]},
         ]
     }  # fmt: skip
-    result = timing.breakdown(record)
+    result = goodput.breakdown(record)
     categories = result["categories"]
     assert categories == {"startup": 15.0, "compilation": 3.0, "productive": 15 + 29 + 16, "input": 2.0,
                           "evaluation": 4.0, "checkpointing": 1.0, "lost": 10 + 5, "shutdown": 5.0}  # fmt: skip
     assert result["wall_s"] == 75 + 30 and result["goodput"] == pytest.approx(60 / 105)
-    assert timing.summary_line({**record, **result}).startswith("57.1% of 105.0 s (startup 15.0 s, compilation 3.0")
+    assert goodput.summary_line({**record, **result}).startswith("57.1% of 105.0 s (startup 15.0 s, compilation 3.0")
 
 
 def test_an_attempt_recorded_inside_a_phase_counts_the_phase_up_to_then():
     """The loop records its attempt before a checkpoint becomes resumable (a worker killed right
     after it loses none of the attempt), while the checkpointing phase is still running."""
-    clock = timing.StepClock(None, timing.Command("c", time.time()))
+    clock = timing.StepClock(None, goodput.Command("c", time.time()))
     clock.step_started()
     clock.step_ended()
     with clock.phase("checkpointing"):
@@ -116,7 +117,7 @@ ACCUMULATING_SCRIPT = """
 import sys
 import torch
 from accelerate import Accelerator
-from raytpu.compat.script_profile import ScriptProfile
+from raytpu.runtime.profiling import ScriptProfile
 
 profile = ScriptProfile("cpu", sys.argv[1], 0, (2, 3), done=lambda: print("written"))
 profile.install()
@@ -148,7 +149,7 @@ def test_a_launched_script_s_optimizer_steps_are_the_profile_s_steps_accumulatio
 
 
 def test_a_profile_window_the_script_never_reaches_says_so(tmp_path, capsys):
-    from raytpu.compat.script_profile import ScriptProfile
+    from raytpu.runtime.profiling import ScriptProfile
 
     profile = ScriptProfile("cpu", tmp_path, 0, (5, 6), done=lambda: None)
     profile.install()

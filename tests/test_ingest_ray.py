@@ -13,8 +13,8 @@ import pytest
 from raytpu.config import load_config
 from raytpu.driver import runs
 from raytpu.driver.ray_trainer import read_datasets
+from raytpu.records import checkpoints as ckpt
 from raytpu.storage import tables as ingest
-from raytpu.worker import checkpoint as ckpt
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from raytpu import cli
 from raytpu.config import load_config, with_values
 from raytpu.driver import runs
+from raytpu.records import checkpoints as ckpt
 from raytpu.storage import tables as ingest
-from raytpu.worker import checkpoint as ckpt
 from tests.stores import BUCKET
 
 pytestmark = pytest.mark.integration

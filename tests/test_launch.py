@@ -60,7 +60,7 @@ def test_bad_launches_are_one_line(argv, message, capsys):
 
 
 def test_a_config_file_gives_the_scaling_and_an_unknown_section_is_refused(tmp_path):
-    from raytpu.compat.launch import settings_from
+    from raytpu.driver.launch import settings_from
 
     config = tmp_path / "launch.yaml"
     config.write_text("scaling: {num_workers: 4, runtime: cpu}\nrun: {name: mine}\n")
@@ -74,7 +74,7 @@ def test_a_config_file_gives_the_scaling_and_an_unknown_section_is_refused(tmp_p
 
 
 def test_a_tpu_slice_launches_one_process_per_chip():
-    from raytpu.compat.launch import settings_from
+    from raytpu.driver.launch import settings_from
     from raytpu.driver.ray_trainer import scaling_kwargs
 
     argv = ["launch", "--tpu-accelerator-type", "TPU-V5LITEPOD", "--tpu-topology", "2x4", "--runtime", "xla"]
@@ -99,11 +99,11 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     order): every launched process gets torch_xla's per-chip environment, a distinct task id
     for every chip of the slice, and bf16 from ``--mixed_precision auto``; nothing that would
     keep Accelerate off XLA (the driver's own USE_TORCH_XLA=0 is overridden)."""
-    from raytpu.compat.launch import ACCELERATE_NAMES, PRECISIONS, settings_from
-    from raytpu.compat.script_runner import process_environment
     from raytpu.config.plan import ScriptPlan
+    from raytpu.driver.launch import ACCELERATE_NAMES, PRECISIONS, settings_from
     from raytpu.runtime.base import resolve_precision
     from raytpu.runtime.tpu import chip_process_env, slice_spec
+    from raytpu.worker.script import process_environment
 
     argv = ["launch", "--tpu-accelerator-type", accelerator_type, "--tpu-topology", topology, "--runtime", "xla"]
     settings = settings_from(cli.build_parser().parse_args([*argv, "--num_processes", "8", EXAMPLE]))
@@ -124,7 +124,7 @@ def test_ray_train_s_resource_request_timeout_is_one_warning_line_on_the_console
     """On a busy machine Ray Train's controller timed out asking the autoscaling coordinator and
     logged the timeout's traceback, which the console test then saw: the job's processes keep
     the warning and drop the traceback."""
-    from raytpu.driver.cluster import AUTOSCALING_CLIENT, quiet_train_controller
+    from raytpu.cluster.connect import AUTOSCALING_CLIENT, quiet_train_controller
 
     logger = logging.getLogger(AUTOSCALING_CLIENT)
     shown = io.StringIO()
@@ -146,7 +146,7 @@ def test_ray_train_s_resource_request_timeout_is_one_warning_line_on_the_console
 def test_metrics_logged_between_polls_become_one_report_and_polled_entries_never_change():
     """Every worker reports the same entries (each report is a barrier), however its polls fall:
     rank 0's polls freeze them, another rank's see only what rank 0 froze."""
-    from raytpu.compat.script_runner import LaunchState
+    from raytpu.records.relay import LaunchState
 
     state = LaunchState()
     for step in range(3):
@@ -173,7 +173,7 @@ def test_metrics_logged_between_polls_become_one_report_and_polled_entries_never
 def test_checkpoints_published_in_a_rerun_are_numbered_after_the_run_s_own():
     """A rerun of the same --name numbers its checkpoints after the highest one of the run (its
     folder, or Ray's list of it): a name taken twice would let retention delete the old one."""
-    from raytpu.compat.script_runner import LaunchState, last_state_number
+    from raytpu.records.relay import LaunchState, last_state_number
 
     names = ["logs", "state_000002", "state_000007", "checkpoint_manager_snapshot.json", "state_x"]
     assert last_state_number(names) == 7 and last_state_number(["logs"]) == 0

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from raytpu.config import ConfigError, load_config, with_values
+from raytpu.records import checkpoints as ckpt
 from raytpu.runtime import make_runtime
-from raytpu.worker import checkpoint as ckpt
 from raytpu.worker.loop import NonFiniteLossError, Trainer
 from raytpu.worker.reporting import FolderReporter
 from tests.conftest import tensorboard_hparams
@@ -108,7 +108,7 @@ def test_checkpoints_are_complete_and_pruned_to_the_best_and_the_latest(tmp_path
 def test_one_retention_rule_the_best_and_the_latest_and_a_tie_goes_to_the_newer():
     """Ray Train's rule, which the run folder's reporter applies too: the num_to_keep best by score,
     plus the latest; of equal scores the newer ranks higher (the best of a tie is the newest)."""
-    from raytpu.worker.reporting import Entry, best_of, retained
+    from raytpu.records.reports import Entry, best_of, retained
 
     entries = [Entry(f"c{n}", score, n) for n, score in enumerate([0.5, 0.9, 0.9, 0.2, 0.9, 0.1])]
     assert best_of(entries, "max").name == "c4" and best_of(entries, "min").name == "c5"

@@ -10,9 +10,9 @@ import re
 import pytest
 import yaml
 
+from raytpu.cluster.capacity import node_types_of_config, node_types_of_record
 from raytpu.config import load_config
 from raytpu.config.plan import resolve_config
-from raytpu.driver.capacity import node_types_of_config, node_types_of_record
 from raytpu.driver.preflight import check_local_accelerators
 from raytpu.driver.ray_trainer import worker_bundles
 from raytpu.errors import ConfigError

@@ -73,7 +73,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_folders_by_role_hold_at_most_12_modules_and_no_two_names_share_a_stem():
     folders = {path.parent for path in PACKAGE.rglob("*.py")}
-    roles = {"config", "driver", "worker", "runtime", "compat", "storage"}
+    roles = {"config", "driver", "cluster", "records", "worker", "runtime", "storage"}
     assert {folder.name for folder in folders} == {"raytpu", *roles}
     for folder in folders:
         count = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
@@ -98,6 +98,34 @@ def test_one_module_reports_to_ray_train_and_reads_its_checkpoints():
     for name in ("ray.train.report", "ray.train.get_checkpoint"):
         callers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if calls_of(p, name))
         assert callers == ["worker/reporting.py"], (name, callers)
+
+
+def side(module: str) -> str:
+    """``raytpu.worker.loop`` -> ``worker``; a top-level module (``raytpu.job``) -> ``raytpu``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else "raytpu"
+
+
+def test_imports_run_one_way():
+    """The worker, the runtimes, the config, the records and storage never import the driver's side
+    (``driver/``, ``cluster/``); the driver imports of the worker side only the entry it starts
+    (the records both read are in ``records/``); nothing but the worker side imports it."""
+    known = modules()
+    wrong = []
+    for name, path in known.items():
+        for target in imports_of(name, path, set(known)):
+            source, reached = side(name), side(target)
+            if source in ("worker", "runtime", "config", "records", "storage") and reached in ("driver", "cluster"):
+                wrong.append(f"{name} -> {target}")
+            if (
+                source in ("driver", "cluster")
+                and reached == "worker"
+                and target not in ("raytpu.worker", "raytpu.worker.entry")
+            ):
+                wrong.append(f"{name} -> {target}")
+            if source in ("runtime", "config", "records", "storage") and reached == "worker":
+                wrong.append(f"{name} -> {target}")
+    assert not wrong, wrong
 
 
 def test_no_import_cycle_in_the_package():

@@ -19,10 +19,10 @@ from typing import Any
 
 import yaml
 
-from raytpu.compat.training_args import TRAINING_ARGUMENTS
 from raytpu.config.args import Alias, ConfigError, Flag, Override, mapping_as_flags, read_overrides
 from raytpu.config.origins import Origins, yaml_lines
 from raytpu.config.schema import Config
+from raytpu.config.training_args import TRAINING_ARGUMENTS
 from raytpu.config.validation import validate
 from raytpu.job import Job, JobConfig, load_job
 

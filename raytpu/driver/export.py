@@ -7,7 +7,7 @@ from typing import Any
 
 from raytpu.config import Config, ConfigError
 from raytpu.job import Exports, Job
-from raytpu.worker import checkpoint as ckpt
+from raytpu.records import checkpoints as ckpt
 
 
 def export(cfg: Config, job: Job, checkpoint: str, out: str) -> Path:

@@ -24,7 +24,7 @@ from typing import Any
 from raytpu.config.plan import Plan
 from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunFailed
-from raytpu.worker.batch_finder import EXIT_BATCH_REDUCED, group_restarts
+from raytpu.records.batches import EXIT_BATCH_REDUCED, group_restarts
 
 Worker = tuple[int, subprocess.Popen, Any]  # rank, process, its log file
 

@@ -20,9 +20,9 @@ import pyarrow.fs as pafs
 from raytpu.config import Config, ConfigError
 from raytpu.errors import RunFailed
 from raytpu.job import Job
+from raytpu.records import checkpoints as ckpt
 from raytpu.runtime.placement import Bundle, ClusterOffer, Fit, Placement, judge_fit
 from raytpu.storage.filesystems import check_location, diagnose, filesystem, is_remote
-from raytpu.worker import checkpoint as ckpt
 
 #: seconds the bucket probe may take (connecting, credentials, a write, a read and a delete)
 BUCKET_TIMEOUT_S = 30.0

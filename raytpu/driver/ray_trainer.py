@@ -15,10 +15,10 @@ from typing import Any
 from raytpu.config import Config
 from raytpu.config.plan import Plan
 from raytpu.errors import RunFailed
+from raytpu.records.batches import ray_max_failures
 from raytpu.runtime.placement import Bundle
 from raytpu.runtime.tpu import check_num_workers, slice_spec, workers_for_layout
 from raytpu.storage.filesystems import filesystem, is_remote
-from raytpu.worker.batch_finder import ray_max_failures
 
 
 def scaling_kwargs(cfg: Config) -> dict[str, Any]:
@@ -197,10 +197,10 @@ def fit(trainer: Any) -> Any:
 
 def wait_for_workers(plan: Plan) -> None:
     """When the plan's workers need nodes that the cluster's autoscaler has yet to start, wait for
-    them before the ``TorchTrainer`` starts (:func:`raytpu.driver.capacity.wait_for_nodes`: what it
+    them before the ``TorchTrainer`` starts (:func:`raytpu.cluster.capacity.wait_for_nodes`: what it
     waits for, and a limit), instead of Ray Train's silent wait and its one-minute retries."""
-    from raytpu.driver.capacity import read_offer, wait_for_nodes
-    from raytpu.driver.cluster import joined_here
+    from raytpu.cluster.capacity import read_offer, wait_for_nodes
+    from raytpu.cluster.connect import joined_here
     from raytpu.runtime.placement import judge_fit
 
     cfg = plan.config

@@ -24,12 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytpu.config import Config, ConfigError, dump_yaml, with_values
-from raytpu.config.batching import BatchPlan
-from raytpu.config.plan import Plan, resolve_config, storage_of
-from raytpu.driver import preflight
-from raytpu.driver.capacity import read_offer
-from raytpu.driver.cluster import (
+from raytpu.cluster.capacity import read_offer
+from raytpu.cluster.connect import (
     STARTED_HERE,
     check_reachable,
     connect,
@@ -38,17 +34,21 @@ from raytpu.driver.cluster import (
     leave,
     ray_for_this_command,
 )
+from raytpu.config import Config, ConfigError, dump_yaml, with_values
+from raytpu.config.batching import BatchPlan
+from raytpu.config.plan import Plan, resolve_config, storage_of
+from raytpu.driver import preflight
 from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunFailed, RunStopped
 from raytpu.job import Job, Synthesizes, Tabular
+from raytpu.records import goodput
+from raytpu.records.batches import recorded_text
+from raytpu.records.goodput import Command
+from raytpu.records.reports import best_of, complete, entry_of, read_report
 from raytpu.runtime.base import resolve_precision
 from raytpu.runtime.placement import ClusterOffer, Placement, place
 from raytpu.storage.filesystems import is_remote, join
 from raytpu.storage.run_folder import RunFolder
-from raytpu.worker import timing
-from raytpu.worker.batch_finder import recorded_text
-from raytpu.worker.reporting import FolderReporter, best_of, entry_of, read_report
-from raytpu.worker.timing import Command
 
 os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
 
@@ -284,7 +284,7 @@ def train(
     plan = dataclasses.replace(plan, command=command.id, started=command.started)
     stage(plan)
     folder = RunFolder(plan.run_dir)
-    timing.begin(folder, command)
+    goodput.begin(folder, command)
     try:
         with StopOnSignal(local=local) as stop:
             plan = dataclasses.replace(plan, stop=stop.spec)
@@ -293,13 +293,13 @@ def train(
     except BaseException:
         leave(keep=instances)
         with contextlib.suppress(OSError):  # a store that stopped answering keeps the record it has
-            timing.end(folder, command, "failed")
+            goodput.end(folder, command, "failed")
         raise
     leave(keep=instances)
-    record = timing.end(folder, command, "stopped" if summary.stopped_by else "completed")
+    record = goodput.end(folder, command, "stopped" if summary.stopped_by else "completed")
     write_goodput_scalars(folder, record, summary.step or 0)
     found = recorded_text(folder, plan.batch.global_batch)
-    print("\n".join([*summary.lines(found), f"goodput:           {timing.summary_line(record)}"]), flush=True)
+    print("\n".join([*summary.lines(found), f"goodput:           {goodput.summary_line(record)}"]), flush=True)
     if summary.stopped_by:
         raise RunStopped(
             summary.stopped_by,
@@ -349,8 +349,7 @@ def train_locally(plan: Plan, stop: StopOnSignal) -> RunSummary:
     from raytpu.driver.local import run_processes
 
     run_processes(plan, stop)
-    folder = FolderReporter(Path(plan.run_dir))
-    reported = [(str(path), read_report(path)) for path in folder.complete()]
+    reported = [(str(path), read_report(path)) for path in complete(Path(plan.run_dir))]
     return summary_of(plan.run_dir, reported, plan.main_metric_mode)
 
 

@@ -6,7 +6,7 @@ it: the run's small :class:`StopFlag` Ray actor when the workers are Ray Train's
 signal: a run that is never signalled starts no process for it), a file in a temporary folder of
 the machine when they are local processes (``raytpu train --local``). Either way the request
 is named by one string in the plan (``actor:<name>`` or ``file:<path>``); at their next log step
-the workers read it (rank 0 reads, every rank gets its answer: ``raytpu.worker.reporting``),
+the workers read it (``raytpu.records.stop``; rank 0 reads, every rank gets its answer),
 checkpoint the current step (without an eval, so never as the best) and return, and rank 0
 confirms. The driver then reports the stop and exits with 128 + the signal's number; the same
 command resumes the run. A second signal acts at once, as it would without raytpu (Ctrl-C aborts
@@ -25,6 +25,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from raytpu.records.stop import StopFlag
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -37,44 +39,7 @@ def announce(signum: int) -> None:
     )
 
 
-class StopFlag:
-    """The Ray actor of one signalled run: it exists once the driver requested a stop, and rank 0
-    confirms the stop on it."""
-
-    def __init__(self) -> None:
-        self.stopped = False
-
-    def confirm(self) -> None:
-        self.stopped = True
-
-    def has_stopped(self) -> bool:
-        return self.stopped
-
-
 # --------------------------------------------------------------- the workers' side
-def stop_requested(spec: str) -> bool:
-    """Whether the driver asked the run named by ``spec`` to stop (read on rank 0)."""
-    kind, _, where = spec.partition(":")
-    if kind == "actor":
-        import ray
-
-        try:
-            ray.get_actor(where)
-        except ValueError:  # no such actor: no signal yet
-            return False
-        return True
-    return kind == "file" and Path(where).is_file()
-
-
-def confirm_stop(spec: str) -> None:
-    """Rank 0 tells the driver that the workers checkpointed and stopped."""
-    kind, _, where = spec.partition(":")
-    if kind == "actor":
-        import ray
-
-        ray.get(ray.get_actor(where).confirm.remote(), timeout=60)
-    elif kind == "file":
-        Path(where).write_text("stopped\n")
 
 
 # --------------------------------------------------------------- the driver's side

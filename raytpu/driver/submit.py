@@ -273,8 +273,8 @@ def launch_entrypoint(items: list[str]) -> tuple[str | None, bool, Config, str]:
     ``(address, wait, cfg, entrypoint)``. The options are checked as ``raytpu launch`` checks
     them; ``--address`` is the dashboard's here (on the cluster the job finds it in
     ``RAY_ADDRESS``); the script and its arguments pass through untouched."""
-    from raytpu.compat.launch import LAUNCH_TEXT, add_launch_arguments, settings_from
     from raytpu.config.args import Parser
+    from raytpu.driver.launch import LAUNCH_TEXT, add_launch_arguments, settings_from
 
     parser = Parser(prog="raytpu submit launch", description=LAUNCH_TEXT)
     add_launch_arguments(parser)

@@ -22,20 +22,20 @@ from typing import Any
 
 from ray.tune import Callback
 
+from raytpu.cluster.capacity import read_offer
+from raytpu.cluster.connect import joined_here, ray_for_this_command
 from raytpu.config import Config, ConfigError, TuneConfig, dump_yaml, from_dict, load_config, to_dict, with_values
 from raytpu.config.args import extract
 from raytpu.config.batching import BatchPlan
 from raytpu.config.plan import Plan, resolve_config, storage_of
-from raytpu.driver.capacity import read_offer
-from raytpu.driver.cluster import joined_here, ray_for_this_command
 from raytpu.driver.ray_trainer import ray_storage, wait_for_workers, worker_bundles
 from raytpu.driver.search import Search, parse_search, searches_of
 from raytpu.job import Job
+from raytpu.records import goodput
+from raytpu.records.goodput import Command
 from raytpu.runtime.placement import concurrent_fits
 from raytpu.storage.filesystems import join
 from raytpu.storage.run_folder import RunFolder
-from raytpu.worker import timing
-from raytpu.worker.timing import Command
 
 #: what a trial's driver reserves: no CPU (it only waits on its TorchTrainer, whose workers need
 #: the CPUs: with any CPU here, 2 workers x 1 CPU never fit a 2-CPU machine) and 1 MiB of memory,
@@ -94,13 +94,13 @@ def run_trial(values: dict[str, Any], base: dict[str, Any], sweep_plan: dict[str
     plan = dataclasses.replace(plan, command=command.id, started=command.started)
     stage(plan)
     folder = RunFolder(plan.run_dir)
-    timing.begin(folder, command)
+    goodput.begin(folder, command)
     outcome = "failed"
     try:
         build_trainer(plan, callbacks=[TuneReportCallback()]).fit()
         outcome = "completed"
     finally:
-        timing.end(folder, command, outcome)
+        goodput.end(folder, command, outcome)
 
 
 def trial_plan(base: Config, sweep: Plan, values: dict[str, Any], trial_id: str, runs_dir: str) -> Plan:

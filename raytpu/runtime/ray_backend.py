@@ -23,7 +23,7 @@ from typing import Any
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
-from raytpu.worker.logger import mute_stdout, unmute_stdout
+from raytpu.console import mute_stdout, unmute_stdout
 
 
 def _host_device_manager() -> None:

@@ -15,7 +15,7 @@ The driver reads the tables with ``ray.data.read_parquet`` and hands them to
 object store and reshuffled globally each epoch when small, else streamed with
 its files shuffled) is split over the workers (``streaming_split(equal=True)``), eval sets are read whole by
 every worker, which keeps the rows ``id % workers == rank`` (the torch path's
-eval split, so metrics match it exactly). On a worker, ``raytpu.worker.raydata.RayData``
+eval split, so metrics match it exactly). On a worker, ``raytpu.worker.data.RayData``
 reads them.
 """
 

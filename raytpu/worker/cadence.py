@@ -15,7 +15,7 @@ import torch
 from raytpu.config import Config
 from raytpu.job import Job, in_warmup
 from raytpu.runtime.base import Runtime
-from raytpu.worker.checkpoint import Progress
+from raytpu.worker.state import Progress
 
 #: why a checkpoint was taken, saved in its ``meta.json``: on the schedule, because the driver
 #: was asked to stop (a signal), or because Ray announced that a node of the run is being preempted

@@ -3,23 +3,32 @@
 :class:`WorkerData` is what the loop reads: how many batches an epoch has, an epoch's batches
 (from a resume position), the eval batches of a split, and one sample (its shapes size the XLA
 input sharding). :class:`TorchData` serves a job's map-style Datasets through a
-``DistributedSampler``; ``raytpu.worker.raydata.RayData`` serves Ray Data shards. A third ingest path is
-a new class here, never a branch in the loop.
+``DistributedSampler``. :class:`RayData` serves Ray Data (``data.loader: ray``): the worker's train
+shard, one pass per epoch through ``iter_torch_batches`` (per-worker batch, ``drop_last``, prefetch,
+a seeded local shuffle) with the job's ``batch_decoder`` decoding and augmenting in Ray Data's
+prefetch threads (the epoch known, so augmentation equals the torch path's), and the eval sets read
+whole, each worker keeping the rows ``id % workers == rank``; writing and reading the tables is
+``raytpu.storage.tables``. A third ingest path is a new class here, never a branch in the loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from raytpu.config import Config
 from raytpu.config.batching import BatchPlan
-from raytpu.job import Batch, Job
+from raytpu.job import Batch, BatchDecoder, Job, table_for
 from raytpu.runtime.base import Runtime
+from raytpu.storage.tables import open_prepared, to_columns
 
 
 class WorkerData(Protocol):
@@ -118,11 +127,128 @@ def make_worker_data(
     """The ingest path ``data.loader`` names: ``torch`` (map-style Datasets) or ``ray`` (Ray Data shards,
     ``datasets`` mapping a split to its ``DataIterator``)."""
     if cfg.data.loader == "ray":
-        from raytpu.worker.raydata import RayData  # pyarrow and Ray Data: only for this path
-
         batch = worker_batch(cfg, runtime) if mode == "train" else 1
         data = RayData(cfg, job, datasets or {}, runtime.data_parallel_rank, runtime.data_parallel_size, batch)
         if mode == "train":
             BatchPlan.of(cfg).check_split("train", data.train_rows(), cfg.data.path)
         return data
     return TorchData(cfg, job, runtime, data_root, mode)
+
+
+class RayData:
+    """One worker's prepared splits: its train shard and the eval sets, decoded by the job
+    (:class:`WorkerData` over Ray Data).
+
+    ``iterators`` maps a split to its Ray ``DataIterator``
+    (``ray.train.get_dataset_shard(split)`` in a Ray Train worker, or
+    ``dataset.iterator()`` in a single process).
+    """
+
+    def __init__(self, cfg: Config, job: Job, iterators: dict[str, Any], rank: int, world: int, batch: int) -> None:
+        self.cfg, self.job, self.iterators = cfg, job, iterators
+        self.rank, self.world, self.batch = rank, world, batch
+        self.prepared = open_prepared(cfg.data.path, job.name)
+        self._stats_root: Path | None = None
+
+    def _decoder(self, split: str) -> tuple[BatchDecoder, dict[str, list[int]], int]:
+        if self._stats_root is None:
+            self._stats_root = self.prepared.stats_root()
+        info = self.prepared.table(table_for(self.job, self.cfg, split))
+        return self.job.batch_decoder(self.cfg, split, self._stats_root), info["shapes"], info["rows"]
+
+    def _iterator(self, split: str) -> Any:
+        if split not in self.iterators:
+            raise RuntimeError(f"data.loader=ray: the run has no Ray Dataset for split {split!r}")
+        return self.iterators[split]
+
+    # ------------------------------------------------------------ train
+    def train_rows(self) -> int:
+        return int(self.prepared.table(table_for(self.job, self.cfg, "train"))["rows"])
+
+    def batches_per_epoch(self) -> int:
+        """What ``streaming_split(equal=True)`` and ``drop_last`` leave each worker: the torch path's count."""
+        return (self.train_rows() // self.world) // self.batch
+
+    def sample(self) -> Batch:
+        """One decoded train item (its shapes size the XLA input sharding)."""
+        decode, shapes, _ = self._decoder("train")
+        path = self.prepared.paths(table_for(self.job, self.cfg, "train"))[0]
+        first = pq.read_table(path, filesystem=self.prepared.fs)
+        return {k: v[0] for k, v in decode(to_columns(first.slice(0, 1), shapes), 0).items()}
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
+        """The epoch's batches of this worker, less the first ``skip`` (drawn, then dropped: a resume).
+
+        The Ray iterator is closed as soon as the epoch's last batch is taken, so
+        that the next epoch's pass can start on every worker."""
+        decode, shapes, _ = self._decoder("train")
+        cfg = self.cfg
+        buffer = (cfg.data.shuffle_buffer or 8 * self.batch) if cfg.data.shuffle else None
+        seed = int(np.random.SeedSequence((cfg.run.seed, epoch, self.rank)).generate_state(1)[0])
+        batches = iter(
+            self._iterator("train").iter_torch_batches(
+                batch_size=self.batch,
+                drop_last=True,
+                prefetch_batches=cfg.data.prefetch_batches,
+                local_shuffle_buffer_size=max(buffer, self.batch) if buffer else None,
+                local_shuffle_seed=seed if buffer else None,
+                collate_fn=collate(decode, shapes, epoch),
+                device="cpu",
+            )
+        )
+        expected = self.batches_per_epoch()
+        for index in range(expected):
+            batch = next(batches, None)
+            if batch is None:
+                raise RuntimeError(
+                    f"worker {self.rank}: the Ray Data train shard ended after {index} of {expected} batches"
+                )
+            if index == expected - 1:
+                batches.close()
+            if index >= skip:
+                yield batch
+
+    # ------------------------------------------------------------- eval
+    def eval_batches(self, split: str) -> EvalBatches:
+        decode, shapes, rows = self._decoder(split)
+        plan = BatchPlan.of(self.cfg)
+        plan.check_split(split, rows, self.cfg.data.path)
+        batch = plan.eval_per_worker
+        prefetch = self.cfg.data.prefetch_batches
+        return EvalBatches(self._iterator(split), decode, shapes, self.rank, self.world, batch, prefetch)
+
+
+@dataclass
+class EvalBatches:
+    """Re-iterable eval batches: this worker's rows (``id % world == rank``) in batches of ``batch``."""
+
+    iterator: Any
+    decode: BatchDecoder
+    shapes: dict[str, list[int]]
+    rank: int
+    world: int
+    batch: int
+    prefetch: int
+
+    def __iter__(self) -> Iterator[Batch]:
+        pending: pa.Table | None = None
+        for table in self.iterator.iter_batches(batch_format="pyarrow", prefetch_batches=self.prefetch):
+            ids = table.column("id").to_numpy()
+            mine = table.filter(pa.array(ids % self.world == self.rank))
+            pending = mine if pending is None else pa.concat_tables([pending, mine])
+            while pending.num_rows >= self.batch:
+                yield self.decode(to_columns(pending.slice(0, self.batch), self.shapes), 0)
+                pending = pending.slice(self.batch)
+        if pending is not None and pending.num_rows:
+            yield self.decode(to_columns(pending, self.shapes), 0)
+
+
+def collate(decode: BatchDecoder, shapes: dict[str, list[int]], epoch: int) -> Any:
+    """An ``ArrowBatchCollateFn`` that decodes a batch with the job's decoder at ``epoch``."""
+    from ray.data.collate_fn import ArrowBatchCollateFn
+
+    class Decode(ArrowBatchCollateFn):
+        def __call__(self, batch: pa.Table) -> Batch:
+            return decode(to_columns(batch, shapes), epoch)
+
+    return Decode()

@@ -25,11 +25,12 @@ from raytpu.config import Config
 from raytpu.config.plan import Plan
 from raytpu.errors import WorkerFailed
 from raytpu.job import load_job
+from raytpu.records.batches import EXIT_BATCH_REDUCED
+from raytpu.records.checkpoints import save_json
+from raytpu.records.goodput import Command
 from raytpu.storage.run_folder import RunFolder
-from raytpu.worker.batch_finder import EXIT_BATCH_REDUCED, BatchReduced, fit_finding_batch
-from raytpu.worker.checkpoint import save_json
+from raytpu.worker.batch_finder import BatchReduced, fit_finding_batch
 from raytpu.worker.reporting import FolderReporter, RayReporter, Reporter
-from raytpu.worker.timing import Command
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def run(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | N
     """What every worker does: the user's script (``raytpu launch``), or the loop: training (with the
     batch finder when asked) or a test whose metrics rank 0 reports as a file."""
     if plan.mode == "launch":
-        from raytpu.compat.script_runner import run_script_worker
+        from raytpu.worker.script import run_script_worker
 
         run_script_worker(plan, seat, reporter)
         return
@@ -141,7 +142,7 @@ def local_entry(plan_path: str) -> None:
     A batch step-down exits with :data:`EXIT_BATCH_REDUCED`, and the driver restarts every rank."""
     import torch.distributed as dist
 
-    from raytpu.worker.logger import muted_stdout
+    from raytpu.console import muted_stdout
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides (raytpu.driver.signals)
     plan = Plan.from_dict(json.loads(Path(plan_path).read_text()))

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -130,33 +127,3 @@ def watch_grad_norm(norm: float, step: int, high: float, low: float) -> str | No
     if norm < low:
         return f"step {step}: gradient norm {norm:.3g} < {low:g} (vanishing?); check the loss and the lr"
     return None
-
-
-_saved_stdout: list[int] = []
-
-
-def mute_stdout() -> None:
-    """Send this process's fd 1 to /dev/null until :func:`unmute_stdout`. For C++ notices that no
-    logging setting controls, such as gloo's "[Gloo] Rank N is connected to ..." on connecting."""
-    sys.stdout.flush()
-    _saved_stdout.append(os.dup(1))
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 1)
-
-
-def unmute_stdout() -> None:
-    if _saved_stdout:
-        saved = _saved_stdout.pop()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-@contextlib.contextmanager
-def muted_stdout(enabled: bool = True) -> Iterator[None]:
-    if enabled:
-        mute_stdout()
-    try:
-        yield
-    finally:
-        if enabled:
-            unmute_stdout()

@@ -2,7 +2,7 @@
 
 :class:`Trainer` runs one worker's share of a run. It knows neither Ray nor a device: the
 runtime (``raytpu.runtime``) moves tensors, reduces gradients and compiles; the worker data
-(``raytpu.worker.data``) yields batches; the checkpointer (``raytpu.worker.checkpoint``) saves and restores;
+(``raytpu.worker.data``) yields batches; the checkpointer (``raytpu.worker.state``) saves and restores;
 the reporter sends reports where the run is watched (Ray Train, or a local folder); callbacks
 (:class:`Callback`) observe. Per step there is exactly one device sync; everything logged is
 read in a step closure, after the step's graph ran, so nothing in the step waits on the host.
@@ -35,18 +35,19 @@ from raytpu.job import (
     WritesText,
     in_warmup,
 )
+from raytpu.records import checkpoints as ckpt
+from raytpu.records import goodput
+from raytpu.records.goodput import Command
 from raytpu.runtime.base import Runtime
 from raytpu.storage.run_folder import RunFolder
-from raytpu.worker import checkpoint as ckpt
-from raytpu.worker import timing
 from raytpu.worker.cadence import Cadence, Scoreboard
-from raytpu.worker.checkpoint import Checkpointer, Progress, TrainState
 from raytpu.worker.data import WorkerData, make_worker_data
 from raytpu.worker.flops import perf_scalars
 from raytpu.worker.logger import RunLogger, watch_grad_norm
 from raytpu.worker.optim import EMA, EMASchedule, build_optimizer, build_scheduler
 from raytpu.worker.reporting import Reporter
-from raytpu.worker.timing import Command, ProfileWindow, StepClock
+from raytpu.worker.state import Checkpointer, Progress, TrainState
+from raytpu.worker.timing import ProfileWindow, StepClock
 
 
 class NonFiniteLossError(RuntimeError):
@@ -198,7 +199,7 @@ class Trainer:
         )
         self.logger.config(dump_yaml(cfg), self.progress.step)
         if self.own_command and self.runtime.is_main:
-            timing.begin(self.folder, self.command)
+            goodput.begin(self.folder, self.command)
         outcome = "failed"
         try:
             if self.progress.step >= self.total_steps:
@@ -214,7 +215,7 @@ class Trainer:
             self.runtime.finish()
             self.logger.close()
             if self.own_command and self.runtime.is_main:
-                timing.end(self.folder, self.command, outcome)
+                goodput.end(self.folder, self.command, outcome)
 
     def _train(self) -> dict[str, float]:
         p = self.progress

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from raytpu.compat.training_args import warmup_steps
 from raytpu.config import ConfigError, LoopConfig, OptimConfig
+from raytpu.config.training_args import warmup_steps
 
 
 def build_optimizer(cfg: OptimConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:

@@ -4,67 +4,37 @@
 into the run's storage; this is the one module that calls it, and ``ray.train.get_checkpoint``);
 :class:`FolderReporter` writes them into the run folder itself, laid out as Ray lays them out
 (``<run dir>/checkpoint_<step>``), for local processes (``raytpu train --local``) and in-process
-runs. Both keep checkpoints by one rule, Ray Train's own (:func:`retained`): the
-``checkpoint.num_to_keep`` best by their score, and the latest; of two with the same score the
-newer ranks higher, so it is the best of a tie (:func:`best_of`). Both ask the driver's stop
-request the same way (:meth:`Reporter.interruption`).
+runs. Both keep checkpoints by one rule, Ray Train's own (``raytpu.records.reports``). Both ask
+the driver's stop request the same way (:meth:`Reporter.interruption`).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
-import re
 import shutil
 import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from raytpu.driver.signals import confirm_stop, stop_requested
+from raytpu.records import checkpoints as ckpt
+from raytpu.records.checkpoints import CheckpointWriteError, save_json
+from raytpu.records.reports import (
+    CHECKPOINT_NAME,
+    REPORT,
+    Entry,
+    best_of,
+    checkpoint_dirs,
+    complete,
+    entry_of,
+    read_report,
+    retained,
+)
+from raytpu.records.stop import confirm_stop, stop_requested
 from raytpu.storage.run_folder import RunFolder
-from raytpu.worker import checkpoint as ckpt
-from raytpu.worker.checkpoint import CheckpointWriteError, is_complete, save_json
-
-#: beside a checkpoint's ``meta.json`` in a run folder: what it was reported with (its score)
-REPORT = "report.json"
-#: the run's checkpoint folders (``checkpoint_<step>``; not Ray's ``checkpoint_manager_snapshot.json``)
-CHECKPOINT_NAME = re.compile(r"^checkpoint_\d+$")
-
 
 # ------------------------------------------------------------------ the one rule
-@dataclass(frozen=True)
-class Entry:
-    """A checkpoint as the retention rule sees it: its name, score and place in the run's reports."""
-
-    name: str
-    score: float
-    report: int
-
-
-def ranked(entries: Sequence[Entry], mode: str) -> list[Entry]:
-    """Worst first, best last: by score (higher is better for ``max``), then the newer."""
-    sign = 1.0 if mode == "max" else -1.0
-    return sorted(entries, key=lambda entry: (sign * entry.score, entry.report))
-
-
-def retained(entries: Sequence[Entry], num_to_keep: int, mode: str) -> list[Entry]:
-    """The checkpoints a run keeps: the ``num_to_keep`` best and the latest, in report order."""
-    if not entries:
-        return []
-    keep = set(ranked(entries, mode)[-num_to_keep:]) | {max(entries, key=lambda entry: entry.report)}
-    return sorted(keep, key=lambda entry: entry.report)
-
-
-def best_of(entries: Sequence[Entry], mode: str) -> Entry | None:
-    return ranked(entries, mode)[-1] if entries else None
-
-
-def entry_of(name: str, metrics: dict[str, Any], order: int) -> Entry:
-    """A reported checkpoint's entry: its ``score`` and ``report`` count (``order`` without one)."""
-    return Entry(name, float(metrics.get("score", 0.0)), int(metrics.get("report", order)))
 
 
 # ------------------------------------------------------------------ the interface
@@ -151,13 +121,6 @@ def persist_meta_last(storage: Any, checkpoint: Any, name: str) -> Any:
         with stored.filesystem.open_output_stream(f"{stored.path}/{ckpt.META}") as out:
             out.write(held)
     return stored
-
-
-def checkpoint_dirs(root: Path) -> list[Path]:
-    """``root``'s ``checkpoint_*`` folders, complete or not, newest (highest step) first."""
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name)), reverse=True)
 
 
 # ------------------------------------------------------------------ Ray Train
@@ -296,7 +259,7 @@ class FolderReporter(Reporter):
 
     def complete(self) -> list[Path]:
         """The run folder's complete checkpoints, oldest first."""
-        return sorted(p for p in checkpoint_dirs(self.root) if is_complete(p))
+        return complete(self.root)
 
     def entries(self) -> list[Entry]:
         return [entry_of(path.name, read_report(path), order) for order, path in enumerate(self.complete())]
@@ -317,11 +280,3 @@ class FolderReporter(Reporter):
 
     def resume_candidates(self) -> Iterator[Path]:
         yield from checkpoint_dirs(self.root)
-
-
-def read_report(directory: Path) -> dict[str, Any]:
-    """What a run folder's checkpoint was reported with ({} when it has no record)."""
-    try:
-        return json.loads((directory / REPORT).read_text())
-    except (OSError, ValueError):
-        return {}

@@ -3,7 +3,7 @@ Ray Train workers.
 
 The driver side: the options (named as ``accelerate launch`` names them where the meaning is
 shared), the checks that refuse a launch which can never fit, a ``TorchTrainer`` whose workers
-run the script as ``__main__`` (``raytpu.compat.script_runner``), and the run's outcome: the script's exit
+run the script as ``__main__`` (``raytpu.worker.script``), and the run's outcome: the script's exit
 status becomes the command's. Scripts may call :func:`report` to send metrics to Ray (a no-op
 when the script runs without ``raytpu launch``).
 """
@@ -23,23 +23,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raytpu.compat.script_runner import RESUME_ENV, STATE_ENV, last_state_number, report
 from raytpu.config import CheckpointConfig, Config, RunConfig, ScalingConfig, build_dataclass, with_values
 from raytpu.config.loading import profile_window
 from raytpu.config.plan import Plan, ScriptPlan, placed, storage_of
 from raytpu.config.validation import check_number, check_profile
 from raytpu.errors import ConfigError, RunFailed
+from raytpu.records import goodput
+from raytpu.records.goodput import Command
+from raytpu.records.relay import last_state_number
 from raytpu.runtime.base import resolve_precision
 from raytpu.storage.filesystems import join
 from raytpu.storage.run_folder import RunFolder
-from raytpu.worker import timing
-from raytpu.worker.timing import Command
 
 #: ``--mixed_precision`` (Accelerate's names) -> raytpu's precision policy, and back
 PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "auto": "auto"}
 ACCELERATE_NAMES = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
 #: what scripts and tests import from here: ``report`` and the names of the launch environment
-__all__ = ["RESUME_ENV", "STATE_ENV", "LaunchSettings", "add_launch_arguments", "main", "report", "settings_from"]
 LAUNCH_TEXT = "run an existing Accelerate / torch.distributed script, unchanged, on Ray Train workers"
 
 
@@ -158,7 +157,7 @@ def main(args: Any, address: str | None, started: float | None = None) -> int:
     """``raytpu launch``: run the script on Ray Train workers; the script's exit status. Its time
     goes into the run's ``goodput.json`` as a ``raytpu train``'s does: start-up to the script's
     start on rank 0, the script, and the end (``started``: when the command started)."""
-    from raytpu.driver.cluster import ray_for_this_command
+    from raytpu.cluster.connect import ray_for_this_command
 
     settings = settings_from(args)
     command, marks = Command(started=started or time.time()), {}
@@ -169,22 +168,22 @@ def main(args: Any, address: str | None, started: float | None = None) -> int:
                 plan_launch(settings, address, marks), command=command.id, started=command.started
             )
             folder = RunFolder(plan.run_dir)
-            timing.begin(folder, command)
+            goodput.begin(folder, command)
             code = run(plan, marks)
             outcome = "completed" if code == 0 else "failed"
         return code
     finally:
         if folder is not None:
             with contextlib.suppress(OSError):  # a store that stopped answering keeps the record it has
-                timing.end(folder, command, outcome, marks)
+                goodput.end(folder, command, outcome, marks)
 
 
 def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, float]) -> Plan:
     """The checks, the cluster joined, and the launch's plan (the script's own, and its processes');
     ``marks`` gets when the driver began and ended joining Ray."""
+    from raytpu.cluster.capacity import read_offer
+    from raytpu.cluster.connect import check_reachable, connect, joined_here
     from raytpu.driver import preflight
-    from raytpu.driver.capacity import read_offer
-    from raytpu.driver.cluster import check_reachable, connect, joined_here
     from raytpu.driver.ray_trainer import worker_bundles
     from raytpu.driver.runs import place_workers
 
@@ -226,8 +225,8 @@ def run(plan: Plan, marks: dict[str, float]) -> int:
     import ray
     from ray.train import TrainingFailedError
 
-    from raytpu.compat.script_runner import LaunchState
     from raytpu.driver.ray_trainer import build_trainer, fit, root_cause, wait_for_workers
+    from raytpu.records.relay import LaunchState
 
     assert plan.script is not None
     wait_for_workers(plan)
@@ -255,7 +254,7 @@ def run(plan: Plan, marks: dict[str, float]) -> int:
 
 class ConsoleRelay:
     """Rank 0's output on this console as its script wrote it, while the block runs: taken from
-    the run's :class:`~raytpu.compat.script_runner.LaunchState` every tenth of a second by a thread,
+    the run's :class:`~raytpu.records.relay.LaunchState` every tenth of a second by a thread,
     and what is left once the block ends."""
 
     def __init__(self, state: Any, every_s: float = 0.1) -> None:

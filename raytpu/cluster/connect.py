@@ -89,7 +89,7 @@ def list_cluster_nodes(address: str) -> dict[str, Any]:
         return {"nodes": nodes, "node_types": [], "node_types_from": ""}
     import ray
 
-    from raytpu.driver.capacity import cluster_node_types
+    from raytpu.cluster.capacity import cluster_node_types
 
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     try:
@@ -116,7 +116,9 @@ def cluster_probe_main(address: str) -> int:
 def run_cluster_probe(address: str, timeout: float) -> dict[str, Any]:
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    code = "import sys; from raytpu.driver.cluster import cluster_probe_main; sys.exit(cluster_probe_main(sys.argv[1]))"
+    code = (
+        "import sys; from raytpu.cluster.connect import cluster_probe_main; sys.exit(cluster_probe_main(sys.argv[1]))"
+    )
     try:
         done = subprocess.run(
             [sys.executable, "-c", code, address], capture_output=True, text=True, timeout=timeout, env=env

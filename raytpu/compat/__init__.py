@@ -1,1 +1,0 @@
-"""Hugging Face compatibility: TrainingArguments flags and `raytpu launch` of Accelerate scripts."""

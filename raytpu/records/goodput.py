@@ -1,0 +1,134 @@
+"""A run's goodput record, ``<run dir>/goodput.json``: every command and attempt of the run.
+
+A run's wall time, from the command's start to its exit, splits into categories that add up to it:
+``startup`` (the command to the first step: Ray, workers, process group, data set-up),
+``compilation``, ``productive`` (training steps), ``input``, ``evaluation``, ``checkpointing``,
+``lost`` (work after a restart's last checkpoint, redone, and the restart itself) and ``shutdown``.
+Goodput is productive over wall. The driver writes a command's start and end, rank 0 each attempt's
+step phases (``raytpu.worker.timing.StepClock``); both meet in this record, so that a resumed run's
+breakdown covers all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytpu.storage.run_folder import RunFolder
+
+RECORD = "goodput.json"
+
+
+CATEGORIES = ("startup", "compilation", "productive", "input", "evaluation", "checkpointing", "lost", "shutdown")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command that ran the run (``raytpu train``, a Tune trial): its id and its start."""
+
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    started: float = field(default_factory=time.time)
+
+
+def process_started() -> float:
+    """When this process started (the command's start: imports included)."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # psutil (Ray's) missing or refused: the earliest time this module knows
+        return time.time()
+
+
+def read_record(folder: RunFolder) -> dict[str, Any]:
+    try:
+        record = json.loads(folder.read_text(RECORD) or "{}")
+    except ValueError:
+        record = {}
+    record.setdefault("commands", [])
+    return record
+
+
+def write_record(folder: RunFolder, record: dict[str, Any]) -> None:
+    folder.write_text(RECORD, json.dumps(record, indent=1))
+
+
+def find_command(record: dict[str, Any], command: Command) -> dict[str, Any]:
+    for entry in record["commands"]:
+        if entry["id"] == command.id:
+            return entry
+    entry = {"id": command.id, "started": command.started, "ended": None, "outcome": None, "attempts": []}
+    record["commands"].append(entry)
+    return entry
+
+
+def record_attempt(folder: RunFolder, command: Command, attempt: dict[str, Any]) -> None:
+    """Write (or rewrite) ``attempt`` of ``command`` into the run folder's record."""
+    record = read_record(folder)
+    entry = find_command(record, command)
+    entry["attempts"] = [*(a for a in entry["attempts"] if a["id"] != attempt["id"]), attempt]
+    write_record(folder, record)
+
+
+def begin(folder: RunFolder, command: Command) -> None:
+    """The driver: this command starts a part of the run's record."""
+    record = read_record(folder)
+    find_command(record, command)
+    write_record(folder, record)
+
+
+def end(folder: RunFolder, command: Command, outcome: str, marks: dict[str, float] | None = None) -> dict[str, Any]:
+    """The driver: this command ends (``completed``, ``stopped`` or ``failed``); the run's whole
+    breakdown written with the record and returned. ``marks``: named moments of the command (when
+    it joined Ray, ...), kept with it for a finer split of its start-up."""
+    record = read_record(folder)
+    entry = find_command(record, command)
+    entry.update(ended=time.time(), outcome=outcome)
+    if marks:
+        entry["marks"] = {**entry.get("marks", {}), **marks}
+    record.update(breakdown(record))
+    write_record(folder, record)
+    return record
+
+
+def breakdown(record: dict[str, Any]) -> dict[str, Any]:
+    """``{"wall_s", "goodput", "categories"}`` over every command of the record; the categories
+    add up to the wall time (each command's time from its start to its end, or its last record)."""
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    for command in record["commands"]:
+        for name, seconds in command_breakdown(command).items():
+            totals[name] += seconds
+    wall = sum(totals.values())
+    return {"wall_s": wall, "goodput": totals["productive"] / wall if wall > 0 else 0.0, "categories": totals}
+
+
+def command_breakdown(command: dict[str, Any]) -> dict[str, float]:
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    attempts = sorted(command["attempts"], key=lambda a: a["first_step"])
+    last = attempts[-1]["recorded"] if attempts else command["started"]
+    ended = command["ended"] if command["ended"] is not None else last
+    if not attempts:
+        totals["startup"] = max(ended - command["started"], 0.0)
+        return totals
+    totals["startup"] = max(attempts[0]["first_step"] - command["started"], 0.0)
+    for index, attempt in enumerate(attempts):
+        spent = max(attempt["recorded"] - attempt["first_step"], 0.0)
+        for name, seconds in attempt["seconds"].items():
+            totals[name] += seconds
+        totals["productive"] += max(spent - sum(attempt["seconds"].values()), 0.0)
+        following = attempts[index + 1]["first_step"] if index + 1 < len(attempts) else None
+        if following is not None:  # what the attempt did after its last checkpoint, and the restart
+            totals["lost"] += max(following - attempt["recorded"], 0.0)
+    after = max(ended - attempts[-1]["recorded"], 0.0)
+    totals["shutdown" if attempts[-1]["final"] else "lost"] += after
+    return totals
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    """The breakdown in one line, as the end-of-run summary shows it."""
+    others = {name: seconds for name, seconds in record["categories"].items() if name != "productive"}
+    parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in others.items())
+    return f"{record['goodput']:.1%} of {record['wall_s']:.1f} s ({parts})"

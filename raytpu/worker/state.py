@@ -1,0 +1,153 @@
+"""What a worker saves and restores: :class:`Checkpointer` writes the model (and its EMA), the
+optimizer, scheduler and loss scaler, every rank's RNG state and the :class:`Progress` of the run
+into a checkpoint directory, and restores them, so that a resumed run continues as if never
+stopped. The files themselves (their format, atomic writes, safe loading) are
+``raytpu.records.checkpoints``."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from raytpu.records.checkpoints import (
+    EMA,
+    META,
+    MODEL,
+    TRAIN_STATE,
+    CheckpointError,
+    CheckpointWriteError,
+    is_complete,
+    load_torch,
+    reason_of,
+    save_json,
+    save_torch,
+    save_weights,
+)
+from raytpu.runtime.base import Runtime
+
+
+# ------------------------------------------------------------------ what a run saves
+@dataclass
+class Progress:
+    """Where a run is; saved in ``meta.json`` and restored on resume."""
+
+    step: int = 0
+    epoch: int = 0
+    best: float | None = None
+    #: reports (eval rounds with a checkpoint) so far, counted across resumes: Tune's time unit
+    reports: int = 0
+
+
+def rng_states(runtime: Runtime) -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "runtime": runtime.rng_state(),
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2])},
+        "python": random.getstate(),
+    }
+
+
+def set_rng_states(runtime: Runtime, state: dict[str, Any]) -> None:
+    runtime.set_rng_state(state["runtime"])
+    keys = state["numpy"]["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, state["numpy"]["pos"]))
+    random.setstate(state["python"])
+
+
+@dataclass
+class TrainState:
+    """The live objects a checkpoint holds (``ema``: the EMA copy of the model, or ``None``)."""
+
+    model: nn.Module
+    ema: nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+
+class Checkpointer:
+    """What a checkpoint holds and how it is written and read back, for one worker.
+
+    Every rank writes its RNG state; rank 0 writes the weights (``model`` and ``ema``
+    safetensors), ``train_state.pt`` (optimizer, scheduler, loss scaler) and ``meta.json``
+    (progress, metrics, config) last. Tensors are moved to the CPU first, never pickled on an
+    accelerator.
+    """
+
+    def __init__(self, runtime: Runtime, job_name: str, config: dict[str, Any]) -> None:
+        self.runtime, self.job_name, self.config = runtime, job_name, config
+
+    def save(
+        self, directory: Path, state: TrainState, progress: Progress, metrics: dict[str, Any], reason: str = "scheduled"
+    ) -> None:
+        """``reason``: why it is taken (``raytpu.worker.cadence.REASONS``), recorded in ``meta.json``."""
+        try:
+            self._save(directory, state, progress, metrics, reason)
+        except OSError as exc:
+            raise CheckpointWriteError(exc.filename or directory, exc) from exc
+
+    def _save(
+        self, directory: Path, state: TrainState, progress: Progress, metrics: dict[str, Any], reason: str
+    ) -> None:
+        rt = self.runtime
+        save_torch(directory / "rng" / f"rank_{rt.rank}.pt", rng_states(rt))
+        model_state = rt.to_cpu(rt.unwrap(state.model).state_dict())
+        ema_state = rt.to_cpu(state.ema.state_dict()) if state.ema is not None else None
+        train_state = rt.to_cpu(
+            {
+                "optimizer": state.optimizer.state_dict(),
+                "scheduler": state.scheduler.state_dict(),
+                "scaler": rt.scaler_state(),
+            }
+        )
+        if not rt.is_main:
+            return
+        save_weights(directory / MODEL, model_state)
+        if ema_state is not None:
+            save_weights(directory / EMA, ema_state)
+        save_torch(directory / TRAIN_STATE, train_state)
+        meta = {**asdict(progress), "reason": reason, "metrics": metrics, "job": self.job_name, "config": self.config}
+        meta["world_size"] = rt.world_size  # every rank's RNG file must be there for the checkpoint to be whole
+        save_json(directory / META, meta)
+
+    def read(self, directory: Path) -> dict[str, Any]:
+        """Every file of ``directory`` read and checked (all ranks' RNG files too, so that every
+        rank reaches the same verdict), touching no live state; a :class:`CheckpointError` that
+        names what is wrong when the checkpoint is incomplete or unreadable."""
+        if not is_complete(directory):
+            raise CheckpointError(f"{directory} is incomplete (no {META} or {MODEL})")
+        try:
+            meta = json.loads((directory / META).read_text())
+            progress = Progress(meta["step"], meta["epoch"], meta.get("best"), meta.get("reports", 0))
+            loaded: dict[str, Any] = {"meta": meta, "progress": progress}
+            loaded["model"] = load_file(directory / MODEL)
+            loaded["ema"] = load_file(directory / EMA) if (directory / EMA).is_file() else None
+            loaded["train_state"] = load_torch(directory / TRAIN_STATE)
+            rng = {path.name: load_torch(path) for path in sorted((directory / "rng").glob("rank_*.pt"))}
+        except Exception as exc:  # json, safetensors, zip and pickle errors: the files are damaged
+            raise CheckpointError(f"{directory} is unreadable ({reason_of(exc)})") from exc
+        ranks = meta.get("world_size", len(rng))
+        if len(rng) < ranks:  # a copy that stopped part-way (an object store writes each file whole)
+            raise CheckpointError(f"{directory} is incomplete (the RNG state of {len(rng)} of {ranks} workers)")
+        loaded["rng"] = rng.get(f"rank_{self.runtime.rank}.pt")
+        return loaded
+
+    def restore(self, loaded: dict[str, Any], state: TrainState) -> tuple[Progress, dict[str, Any]]:
+        """Put what :meth:`read` returned into ``state``; the progress and the metrics it was saved with."""
+        self.runtime.unwrap(state.model).load_state_dict(loaded["model"])
+        if state.ema is not None and loaded["ema"] is not None:
+            state.ema.load_state_dict(loaded["ema"])
+        saved = loaded["train_state"]
+        state.optimizer.load_state_dict(saved["optimizer"])
+        state.scheduler.load_state_dict(saved["scheduler"])
+        self.runtime.load_scaler_state(saved.get("scaler"))
+        if loaded["rng"] is not None:
+            set_rng_states(self.runtime, loaded["rng"])
+        return loaded["progress"], loaded["meta"].get("metrics", {})
