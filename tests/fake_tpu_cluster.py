@@ -78,8 +78,8 @@ def run_layout(layout: str, out: Path) -> None:
     from ray.train import RunConfig
     from ray.train.torch import TorchTrainer
 
-    from raytpu.config import load_config, to_dict
-    from raytpu.config.plan import Plan
+    from raytpu.config import load_config, to_dict, with_values
+    from raytpu.config.plan import Facts, make_plan
     from raytpu.driver.ray_trainer import build_trainer
 
     cfg, _ = load_config(
@@ -93,7 +93,8 @@ def run_layout(layout: str, out: Path) -> None:
             f"run.storage_path={out / 'results'}",
         ],
     )
-    plan = Plan(cfg, "train", str(out / "results"), f"fake-tpu-{layout}", data_root=str(out), main_metric_mode="max")
+    named = with_values(cfg, {"run.name": f"fake-tpu-{layout}"})
+    plan = make_plan(named, Facts(mode="train", main_metric_mode="max", data_root=str(out)))
     raytpu_trainer = build_trainer(plan)
     records = out / layout
     records.mkdir(parents=True)

@@ -12,8 +12,9 @@ import torch
 from accelerate.utils.memory import should_reduce_batch_size
 
 from raytpu import cli
-from raytpu.config import load_config
+from raytpu.config import load_config, with_values
 from raytpu.config.batching import BatchPlan
+from raytpu.config.plan import Facts, make_plan
 from raytpu.records import batches
 from raytpu.records import checkpoints as ckpt
 from raytpu.runtime import make_runtime
@@ -89,11 +90,11 @@ def test_ray_restarts_for_reductions_come_on_top_of_the_users_failures():
 
 
 def test_the_failure_config_ray_gets(tmp_path):
-    from raytpu.config.plan import Plan
+    from raytpu.config.plan import Facts, make_plan
     from raytpu.driver.ray_trainer import build_trainer
 
     cfg = config("loop.auto_find_batch_size=true", "scaling.num_workers=2", "scaling.runtime=cpu")
-    trainer = build_trainer(Plan(cfg, "train", str(tmp_path), "run"))
+    trainer = build_trainer(make_plan(with_values(cfg, {"run.storage_path": str(tmp_path)}), Facts(mode="train")))
     assert trainer.run_config.failure_config.max_failures == 2  # 4 per worker: 2, 1
 
 
@@ -133,8 +134,9 @@ def fit(run_dir: Path, *overrides: str):
         trained.append(cfg)
         return Trainer(cfg, job, runtime, run_dir, run_dir, reporter).fit()
 
-    bf.fit_finding_batch(cfg, runtime, RunFolder(run_dir), attempt)
-    assert cfg.loop.grad_accum == 1  # the run's own config never changes
+    plan = make_plan(cfg, Facts(mode="train", local=True))
+    bf.fit_finding_batch(plan, runtime, RunFolder(run_dir), attempt)
+    assert cfg.loop.grad_accum == 1 and plan.config.loop.grad_accum == 1  # the run's own never changes
     return trained[-1], reporter
 
 

@@ -70,12 +70,14 @@ def test_precision_follows_the_device(runtime, asked, bf16_ok, expected, warns):
 
 def test_relative_weights_path_reaches_workers_absolute(tmp_path, monkeypatch):
     from raytpu.config import load_config
-    from raytpu.config.plan import resolve_config
+    from raytpu.config.plan import anchored
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ckpt").mkdir()
     cfg, _ = load_config(SMALL, ["checkpoint.weights=ckpt"])
-    assert resolve_config(cfg, "cpu", "fp32").checkpoint.weights == str(tmp_path / "ckpt")
+    anchored_cfg = anchored(cfg)
+    assert anchored_cfg.checkpoint.weights == str(tmp_path / "ckpt")
+    assert anchored_cfg.run.storage_path == str(tmp_path / "results")
 
 
 def test_a_missing_data_path_is_made_there_or_falls_back_to_data_job(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import yaml
 from raytpu.config import ConfigError, dump_yaml, from_dict, load_config, to_dict, with_values
 from raytpu.config.args import extract, parse_overrides
 from raytpu.config.batching import BatchPlan
-from raytpu.config.plan import Plan, ScriptPlan, resolve_config
+from raytpu.config.plan import Plan, ScriptPlan
 
 
 def write(tmp_path, text: str):
@@ -103,23 +103,36 @@ def test_a_config_is_frozen_and_a_change_is_a_new_config(tmp_path):
     assert cfg.run.name == "tests.toy_job-cfg"  # named after the job and the file
 
 
-def test_the_plan_is_frozen_resolved_and_travels_as_plain_values(tmp_path):
+def test_the_plan_is_made_once_frozen_and_travels_as_plain_values(tmp_path):
     import dataclasses
     import json
 
+    from raytpu.config.plan import Facts, make_plan
+    from raytpu.runtime.placement import ClusterOffer, NodeType
+
     path = write(tmp_path, "job: {name: tests.toy_job}\nscaling: {num_workers: 2}\n")
     cfg, _ = load_config(path, ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"])
-    resolved = resolve_config(cfg, "cpu", "fp32")
-    assert (cfg.scaling.runtime, cfg.data.global_batch_size) == ("auto", 8)  # the user's config, unchanged
-    assert (resolved.scaling.runtime, resolved.data.global_batch_size) == ("cpu", 16)
+    tpu = NodeType("tpu_v5e_8", {"CPU": 8.0, "TPU": 8.0}, max_count=1)
+    offer = ClusterOffer(nodes=({"CPU": 4.0},), available={"CPU": 4.0}, node_types=(tpu,), node_types_from="test")
     script = ScriptPlan(path="/a.py", args=("--x", "1"), state="s")
-    plan = Plan(resolved, "launch", "/runs", "mine", split_sizes=(("train", 64),), script=script)
+    facts = Facts(mode="train", offer=offer, where="here", split_sizes=(("train", 64),), command="c1", script=script)
+    plan = make_plan(
+        with_values(cfg, {"run.storage_path": "/runs", "run.name": "mine", "scaling.runtime": "cpu"}), facts
+    )
+    assert (cfg.scaling.runtime, cfg.data.global_batch_size) == ("auto", 8)  # the user's config, unchanged
+    assert (plan.config.scaling.runtime, plan.config.data.global_batch_size) == ("cpu", 16)
+    assert plan.asked.scaling.runtime == "cpu" and plan.script.mixed_precision == "no"
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.mode = "train"
-    assert plan.run_dir == "/runs/mine" and plan.batch == BatchPlan(16, 2, 2)
+        plan.config = cfg
+    assert plan.run_dir == "/runs/mine" and plan.batch == BatchPlan(16, 2, 2) and plan.mode == "train"
     again = Plan.from_dict(json.loads(json.dumps(plan.as_dict())))
     assert again == plan
-    assert plan.changed({"loop.grad_accum": 4}).batch.grad_accum == 4 and plan.batch.grad_accum == 2
+    smaller = plan.remade({"loop.grad_accum": 4}, command="c2")  # a new plan, by the same function
+    assert (smaller.batch.grad_accum, smaller.facts.command) == (4, "c2") and plan.batch.grad_accum == 2
+    auto = make_plan(with_values(cfg, {"scaling.num_workers": 1}), facts)  # a TPU node the cluster can start
+    assert auto.config.scaling.runtime == "xla" and auto.config.scaling.resources_per_worker["TPU"] == 8
+    assert auto.config.data.global_batch_size == 4 * 8 * 2  # per device: a chip
+    assert auto.notes[0].startswith("scaling.runtime auto -> xla: the autoscaler can start TPU nodes")
 
 
 def test_parse_overrides_flag_needs_value():

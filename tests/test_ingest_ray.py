@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from raytpu.config import load_config
-from raytpu.driver import runs
 from raytpu.driver.ray_trainer import read_datasets
 from raytpu.records import checkpoints as ckpt
 from raytpu.storage import tables as ingest
@@ -62,7 +61,14 @@ def toy_config(tmp_path: Path) -> tuple[Any, Any]:
     )
     job.synthesize(tmp_path / "native", samples=SAMPLES)
     ingest.prepare(job, tmp_path / "native", str(tmp_path / "pq"), rows_per_file=16)
-    return runs.leave_cpu_for_ray_data(cfg), job
+    import ray
+
+    from raytpu.config import with_values
+    from raytpu.config.plan import leave_cpu_for_ray_data
+    from raytpu.runtime.placement import ClusterOffer
+
+    cluster = ClusterOffer(nodes=({"CPU": ray.cluster_resources()["CPU"]},))
+    return with_values(cfg, leave_cpu_for_ray_data(cfg, cluster)), job
 
 
 def test_both_paths_give_every_worker_the_same_steps_and_each_id_once_per_epoch(ray_session, tmp_path):

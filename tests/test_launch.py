@@ -99,8 +99,8 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     order): every launched process gets torch_xla's per-chip environment, a distinct task id
     for every chip of the slice, and bf16 from ``--mixed_precision auto``; nothing that would
     keep Accelerate off XLA (the driver's own USE_TORCH_XLA=0 is overridden)."""
-    from raytpu.config.plan import ScriptPlan
-    from raytpu.driver.launch import ACCELERATE_NAMES, PRECISIONS, settings_from
+    from raytpu.config.plan import ACCELERATE_NAMES, ScriptPlan
+    from raytpu.driver.launch import PRECISIONS, settings_from
     from raytpu.runtime.base import resolve_precision
     from raytpu.runtime.tpu import chip_process_env, slice_spec
     from raytpu.worker.script import process_environment

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from raytpu.cluster.capacity import node_types_of_config, node_types_of_record
-from raytpu.config import load_config
+from raytpu.config import load_config, with_values
 from raytpu.config.plan import resolve_config
 from raytpu.driver.preflight import check_local_accelerators
 from raytpu.driver.ray_trainer import worker_bundles
@@ -172,21 +172,23 @@ def test_local_processes_need_a_gpu_each() -> None:
 
 
 def test_a_bucket_in_data_path_is_read_through_ray_data_or_refused_in_one_line() -> None:
-    from raytpu.driver.runs import reading_data
+    from raytpu.config.loading import read_buckets_through_ray_data
+    from raytpu.driver.preflight import check_local
     from raytpu.job import Job
 
     cfg, job = load_config(SMALL, ["data.path=gs://b/mshnet-tables"])
-    assert reading_data(cfg, job, local=False).data.loader == "ray"
+    assert cfg.data.loader == "ray"  # mshnet has parquet tables: read through Ray Data
     with pytest.raises(ConfigError, match="--local reads data from this machine's disk: data.path=gs://b/mshnet"):
-        reading_data(cfg, job, local=True)
+        check_local(cfg)
 
     class FolderOnly(Job):
         name = "folder_only"
 
+    folder_only, _ = load_config(SMALL, ["data.path=/data/mshnet"])
+    assert folder_only.data.loader == "torch"
+    in_bucket = with_values(folder_only, {"data.path": "s3://b/x"})
     with pytest.raises(ConfigError, match="job 'folder_only' reads a folder .*give a folder that every node has"):
-        reading_data(cfg, FolderOnly(), local=False)
-    local, _ = load_config(SMALL, ["data.path=/data/mshnet"])
-    assert reading_data(local, job, local=False) is local
+        read_buckets_through_ray_data(in_bucket, FolderOnly())
 
 
 def test_per_device_batches_count_the_chips_a_worker_is_given() -> None:

@@ -24,7 +24,7 @@ from raytpu.config.origins import Origins, yaml_lines
 from raytpu.config.schema import Config
 from raytpu.config.training_args import TRAINING_ARGUMENTS
 from raytpu.config.validation import validate
-from raytpu.job import Job, JobConfig, load_job
+from raytpu.job import Job, JobConfig, Tabular, load_job
 
 
 def profile_window(value: Any) -> list[tuple[str, Any]]:
@@ -88,8 +88,22 @@ def read_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not cfg.run.name:  # a run is named after its job and config file unless named
             stem = Path(path).stem if path is not None else "run"
             cfg = with_values(cfg, {"run.name": f"{job.name}-{stem}"})
+        cfg = read_buckets_through_ray_data(cfg, job)
         validate(cfg, job)
     return cfg, job, origins
+
+
+def read_buckets_through_ray_data(cfg: Config, job: Job) -> Config:
+    """A bucket in ``data.path`` is read through Ray Data (``data.loader=ray``: the parquet tables
+    ``raytpu data prepare`` wrote there); a job without such tables needs a folder, and says so."""
+    if "://" not in cfg.data.path or cfg.data.path.startswith("file://") or cfg.data.loader == "ray":
+        return cfg
+    if not isinstance(job, Tabular):
+        raise ConfigError(
+            f"data.path={cfg.data.path} is a bucket, and job {job.name!r} reads a folder (it has no parquet tables "
+            "for data.loader=ray): give a folder that every node has"
+        )
+    return with_values(cfg, {"data.loader": "ray"})
 
 
 def typed_origin(override: Override, from_file: dict[str, str]) -> str:

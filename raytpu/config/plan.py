@@ -1,18 +1,20 @@
-"""The plan: a user's config resolved once, on the driver, into what every worker runs.
+"""The plan: a user's config, the command and what the cluster offers, made once into what every
+worker runs, by one function (:func:`make_plan`).
 
 The config says what the user asked (``scaling.runtime: auto``, ``--per_device_train_batch_size
-4``, a relative data path); the plan says what happens: the runtime found on the cluster, the
-precision it gets, absolute paths, and the :class:`BatchPlan` (per-worker batch, accumulation
-steps, data-parallel workers). It is frozen; it travels to the workers as plain values
-(:meth:`Plan.as_dict`); a changed batch (``loop.auto_find_batch_size``) or a Tune trial is a new
-plan.
+4``, a relative data path); the :class:`Facts` say what the driver found before planning (the
+command, the cluster's offer, the data); the plan says what happens: the runtime and each worker's
+resources (``raytpu.runtime.placement``), the precision, absolute paths, the :class:`BatchPlan`,
+the Ray Datasets. It is frozen and travels to the workers as plain values (:meth:`Plan.as_dict`).
+Nothing changes a plan once made: a Tune trial or a batch the finder stepped down to is a new plan,
+made by the same function from the user's config with the trial's values (:meth:`Plan.remade`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,12 @@ from raytpu.config.batching import BatchPlan
 from raytpu.config.loading import from_dict, to_dict, with_values
 from raytpu.config.schema import Config
 from raytpu.errors import ConfigError
-from raytpu.runtime.placement import Placement
+from raytpu.runtime.base import resolve_precision
+from raytpu.runtime.placement import ClusterOffer, NodeType, Placement, place
 from raytpu.storage.filesystems import is_remote, join
+
+#: Accelerate's ``mixed_precision`` names of raytpu's precisions (``raytpu launch``)
+ACCELERATE_NAMES = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -31,29 +37,55 @@ class ScriptPlan:
     path: str
     args: tuple[str, ...] = ()
     working_dir: str = ""
-    mixed_precision: str = "no"  # Accelerate's name: no | fp16 | bf16
+    mixed_precision: str = "no"  # Accelerate's name: no | fp16 | bf16 (the plan's precision)
     gradient_accumulation_steps: int = 1
     state: str = ""  # the name of the run's launch-state actor
     last_checkpoint: int = 0  # the highest checkpoint number the run folder held before this launch
 
 
 @dataclass(frozen=True)
-class Plan:
-    """One run, resolved: the config as it runs (runtime, precision and batches settled, paths
-    absolute), where it writes, and how its batch is split."""
+class Facts:
+    """What the driver found before planning: the command, where it runs, the cluster, the data."""
 
-    config: Config
     mode: str  # train | test | launch
-    storage: str  # run.storage_path, absolute
-    name: str  # the run's folder in it (``<run>``, or ``<run>/test-<time>`` for a test): Ray Train's name
-    data_root: str = ""
+    offer: ClusterOffer = field(default_factory=ClusterOffer)
+    local: bool = False  # ``--local``: processes of this machine, no Ray
+    where: str = ""  # where the workers run, in words (the run's first line)
     main_metric_mode: str = "min"
+    data_root: str = ""
     split_sizes: tuple[tuple[str, int], ...] = ()  # samples in each split the driver checked
-    datasets: tuple[str, ...] = ()  # the Ray Datasets given to the TorchTrainer
-    stop: str = ""  # where a stop request is read (``raytpu.driver.signals``); "" = never
-    script: ScriptPlan | None = None
+    name: str = ""  # the run's folder under run.storage_path ("": run.name; a test's: <run>/test-<time>)
     command: str = ""  # the id of the command that runs it (its part of the goodput record)
     started: float = 0.0  # when that command started (seconds since the epoch)
+    stop: str = ""  # where a stop request is read (``raytpu.records.stop``); "" = never
+    script: ScriptPlan | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One run, made: the config as it runs (runtime, precision and batches settled, paths
+    absolute), the user's config it was made from, the facts, and what the driver says of it."""
+
+    config: Config
+    asked: Config
+    facts: Facts
+    placement: Placement
+    datasets: tuple[str, ...] = ()  # the Ray Datasets given to the TorchTrainer (data.loader=ray)
+    notes: tuple[str, ...] = ()  # what the driver says before the run: what auto chose, what differs
+
+    @property
+    def mode(self) -> str:
+        return self.facts.mode
+
+    @property
+    def storage(self) -> str:
+        """``run.storage_path`` (made absolute by :func:`anchored`)."""
+        return self.config.run.storage_path.rstrip("/")
+
+    @property
+    def name(self) -> str:
+        """The run's folder in the storage: Ray Train's name of the run."""
+        return self.facts.name or self.config.run.name
 
     @property
     def run_dir(self) -> str:
@@ -63,48 +95,126 @@ class Plan:
     def batch(self) -> BatchPlan:
         return BatchPlan.of(self.config)
 
-    def changed(self, values: Mapping[str, Any]) -> Plan:
-        """A new plan with dotted config keys changed (``{"loop.grad_accum": 4}``)."""
-        return dataclasses.replace(self, config=with_values(self.config, values))
+    @property
+    def script(self) -> ScriptPlan | None:
+        return self.facts.script
+
+    def remade(self, values: Mapping[str, Any], **facts: Any) -> Plan:
+        """The plan of the user's config with dotted keys changed (a Tune trial's values, the batch
+        a finder stepped down to), and facts changed (the trial's command): :func:`make_plan`."""
+        return make_plan(with_values(self.asked, values), dataclasses.replace(self.facts, **facts))
 
     def as_dict(self) -> dict[str, Any]:
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        values["config"] = to_dict(self.config)
-        values["script"] = dataclasses.asdict(self.script) if self.script else None
-        return values
+        facts = dataclasses.asdict(self.facts)
+        return {
+            "config": to_dict(self.config),
+            "asked": to_dict(self.asked),
+            "facts": facts,
+            "placement": dataclasses.asdict(self.placement),
+            "datasets": list(self.datasets),
+            "notes": list(self.notes),
+        }
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Plan:
-        config, _ = from_dict(values["config"])
-        script = values.get("script")
+        facts = dict(values["facts"])
+        offer = facts["offer"]
+        facts["offer"] = ClusterOffer(
+            nodes=tuple(offer["nodes"]),
+            available=offer["available"],
+            node_types=tuple(NodeType(**node_type) for node_type in offer["node_types"]),
+            node_types_from=offer["node_types_from"],
+            this_machine=offer["this_machine"],
+        )
+        facts["split_sizes"] = tuple(tuple(pair) for pair in facts["split_sizes"])
+        script = facts["script"]
+        facts["script"] = ScriptPlan(**{**script, "args": tuple(script["args"])}) if script else None
+        placement = dict(values["placement"])
+        placement["tpu_slice"] = tuple(placement["tpu_slice"])
         return cls(
-            **{
-                **values,
-                "config": config,
-                "split_sizes": tuple(tuple(pair) for pair in values.get("split_sizes", ())),
-                "datasets": tuple(values.get("datasets", ())),
-                "script": ScriptPlan(**{**script, "args": tuple(script["args"])}) if script else None,
-            }
+            config=from_dict(values["config"])[0],
+            asked=from_dict(values["asked"])[0],
+            facts=Facts(**facts),
+            placement=Placement(**placement),
+            datasets=tuple(values["datasets"]),
+            notes=tuple(values["notes"]),
         )
 
 
-# ----------------------------------------------------------------- resolution
-def resolve_config(cfg: Config, runtime: str, precision: str, placement: Placement | None = None) -> Config:
+# ----------------------------------------------------------------- the one function
+def make_plan(cfg: Config, facts: Facts) -> Plan:
+    """The plan of ``cfg`` (the config as the user wrote it) for the command and cluster of
+    ``facts``: placement, precision, resolved config, the batch checked against the data."""
+    scaling = cfg.scaling
+    placement = place(
+        scaling.runtime, scaling.num_workers, scaling.tpu.layout, bool(scaling.tpu.accelerator_type), facts.offer
+    )
+    precision, warning = resolve_precision(placement.runtime, scaling.precision)
+    resolved = resolve_config(cfg, placement.runtime, precision, placement, batch=facts.mode != "launch")
+    if not facts.local:
+        resolved = with_values(resolved, leave_cpu_for_ray_data(resolved, facts.offer))
+    for split, samples in facts.split_sizes:
+        BatchPlan.of(resolved).check_split(split, samples, facts.data_root)
+    if facts.script is not None:
+        script = dataclasses.replace(facts.script, mixed_precision=ACCELERATE_NAMES[precision])
+        facts = dataclasses.replace(facts, script=script)
+    notes = [f"scaling.runtime auto -> {placement.runtime}: {placement.why}"] if placement.why else []
+    notes += [placement.note] if placement.note else []
+    notes += [f"warning: {warning}"] if warning else []
+    notes += cpu_note(cfg, resolved) + bucket_note(resolved)
+    return Plan(resolved, cfg, facts, placement, datasets_of(resolved, facts.mode), tuple(notes))
+
+
+def datasets_of(cfg: Config, mode: str) -> tuple[str, ...]:
+    """The Ray Datasets a run's ``TorchTrainer`` is given: ``data.loader=ray``'s splits."""
+    if cfg.data.loader != "ray" or mode == "launch":
+        return ()
+    return ("train", "valid") if mode == "train" else ("test",)
+
+
+def leave_cpu_for_ray_data(cfg: Config, offer: ClusterOffer) -> dict[str, Any]:
+    """data.loader=ray: Ray Data's read tasks need a free CPU. On a cluster whose workers would
+    reserve every CPU (a 2-core machine with 2 workers), each worker reserves less."""
+    if cfg.data.loader != "ray" or cfg.scaling.cpus_per_worker < 1:
+        return {}
+    total = offer.up("CPU")
+    spare = total - cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    if spare >= 1 or total <= 1:
+        return {}
+    return {"scaling.cpus_per_worker": (total - 1) / cfg.scaling.num_workers}
+
+
+def bucket_note(cfg: Config) -> list[str]:
+    if cfg.data.loader != "ray" or not is_remote(cfg.data.path):
+        return []
+    return [f"data.path is a bucket: reading {cfg.job.name}'s parquet tables through Ray Data (data.loader=ray)"]
+
+
+def cpu_note(asked: Config, resolved: Config) -> list[str]:
+    if resolved.scaling.cpus_per_worker == asked.scaling.cpus_per_worker:
+        return []
+    return [
+        f"data.loader=ray: leaving 1 CPU of the cluster to Ray Data (scaling.cpus_per_worker "
+        f"{asked.scaling.cpus_per_worker:g} -> {resolved.scaling.cpus_per_worker:g})"
+    ]
+
+
+def resolve_config(
+    cfg: Config, runtime: str, precision: str, placement: Placement | None = None, batch: bool = True
+) -> Config:
     """The config as it runs on ``runtime`` at ``precision`` (and ``placement``: its worker count and
-    each worker's TPU chips): per-device batches turned into global ones, gradient checkpointing
-    routed to torch_xla's on xla, paths the workers read made absolute."""
+    each worker's TPU): per-device batches turned into global ones, gradient checkpointing routed to
+    torch_xla's on xla. ``batch``: the global batch splits over the workers (not for ``raytpu
+    launch``, whose script batches as it likes)."""
     cfg = with_values(cfg, {"scaling.runtime": runtime, "scaling.precision": precision, **placed(cfg, placement)})
     values: dict[str, Any] = per_device_batches(cfg)
     if runtime == "xla" and getattr(cfg.job, "gradient_checkpointing", False):
         # XLA's common-subexpression elimination merges a plain checkpoint's recomputation back into
         # the forward, saving no memory: torch_xla's own puts an optimization barrier in its way
         values.update({"job.gradient_checkpointing": False, "xla.grad_ckpt": True})
-    if cfg.checkpoint.weights and not is_remote(cfg.checkpoint.weights) and Path(cfg.checkpoint.weights).exists():
-        values["checkpoint.weights"] = str(Path(cfg.checkpoint.weights).resolve())
-    if cfg.xla.compile_cache not in ("", "none"):
-        values["xla.compile_cache"] = str(Path(cfg.xla.compile_cache).resolve())
     resolved = with_values(cfg, values)
-    BatchPlan.of(resolved)  # checks the split
+    if batch:
+        BatchPlan.of(resolved)  # checks the split
     return resolved
 
 
@@ -159,3 +269,15 @@ def storage_of(cfg: Config) -> str:
     """``run.storage_path``: a bucket URI as it is, a local folder made absolute."""
     storage = cfg.run.storage_path
     return storage.rstrip("/") if is_remote(storage) else str(Path(storage).resolve())
+
+
+def anchored(cfg: Config) -> Config:
+    """``cfg`` with the local paths the workers read made absolute, as the command that names them
+    means them (relative to where it runs): the run's storage, the weights to start from, XLA's
+    compile cache. What the driver plans from, once, before :func:`make_plan`."""
+    values: dict[str, Any] = {"run.storage_path": storage_of(cfg)}
+    if cfg.checkpoint.weights and not is_remote(cfg.checkpoint.weights) and Path(cfg.checkpoint.weights).exists():
+        values["checkpoint.weights"] = str(Path(cfg.checkpoint.weights).resolve())
+    if cfg.xla.compile_cache not in ("", "none"):
+        values["xla.compile_cache"] = str(Path(cfg.xla.compile_cache).resolve())
+    return with_values(cfg, values)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -25,19 +24,17 @@ from typing import Any
 
 from raytpu.config import CheckpointConfig, Config, RunConfig, ScalingConfig, build_dataclass, with_values
 from raytpu.config.loading import profile_window
-from raytpu.config.plan import Plan, ScriptPlan, placed, storage_of
+from raytpu.config.plan import Facts, Plan, ScriptPlan, anchored, make_plan
 from raytpu.config.validation import check_number, check_profile
 from raytpu.errors import ConfigError, RunFailed
 from raytpu.records import goodput
 from raytpu.records.goodput import Command
 from raytpu.records.relay import last_state_number
-from raytpu.runtime.base import resolve_precision
 from raytpu.storage.filesystems import join
 from raytpu.storage.run_folder import RunFolder
 
-#: ``--mixed_precision`` (Accelerate's names) -> raytpu's precision policy, and back
+#: ``--mixed_precision`` (Accelerate's names) -> raytpu's precision policy (and back: ``ACCELERATE_NAMES``)
 PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "auto": "auto"}
-ACCELERATE_NAMES = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
 #: what scripts and tests import from here: ``report`` and the names of the launch environment
 LAUNCH_TEXT = "run an existing Accelerate / torch.distributed script, unchanged, on Ray Train workers"
 
@@ -110,6 +107,7 @@ def settings_from(args: Any) -> LaunchSettings:
     if args.profile is not None:
         values.update(profile_window(args.profile))
     values["logging.verbose"] = bool(args.verbose)
+    values["scaling.precision"] = PRECISIONS.get(args.mixed_precision or "auto", args.mixed_precision)
     if not (values.get("run.name") or cfg.run.name):
         values["run.name"] = Path(args.script).stem
     settings = LaunchSettings(
@@ -164,9 +162,7 @@ def main(args: Any, address: str | None, started: float | None = None) -> int:
     folder, outcome = None, "failed"
     try:
         with ray_for_this_command():
-            plan = dataclasses.replace(
-                plan_launch(settings, address, marks), command=command.id, started=command.started
-            )
+            plan = plan_launch(settings, address, marks, command)
             folder = RunFolder(plan.run_dir)
             goodput.begin(folder, command)
             code = run(plan, marks)
@@ -178,45 +174,46 @@ def main(args: Any, address: str | None, started: float | None = None) -> int:
                 goodput.end(folder, command, outcome, marks)
 
 
-def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, float]) -> Plan:
-    """The checks, the cluster joined, and the launch's plan (the script's own, and its processes');
-    ``marks`` gets when the driver began and ended joining Ray."""
+def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, float], command: Command) -> Plan:
+    """The checks, the cluster joined, and the launch's plan (the script's own, and its processes'),
+    made by the one plan function; ``marks`` gets when the driver began and ended joining Ray."""
     from raytpu.cluster.capacity import read_offer
-    from raytpu.cluster.connect import check_reachable, connect, joined_here
+    from raytpu.cluster.connect import check_reachable, connect, joined, joined_here
     from raytpu.driver import preflight
-    from raytpu.driver.ray_trainer import worker_bundles
-    from raytpu.driver.runs import place_workers
+    from raytpu.driver.runs import check_placement, print_notes
 
-    cfg = settings.config
+    cfg = anchored(settings.config)
     preflight.check_storage(cfg)
     check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
     marks["connect"] = time.time()
     connect(address, verbose=cfg.logging.verbose)
     marks["connected"] = time.time()
-    offer = read_offer(this_machine=joined_here())
-    placement = place_workers(cfg, offer, local=False)
-    runtime = placement.runtime
-    precision, warning = resolve_precision(runtime, PRECISIONS[settings.mixed_precision])
-    cfg = with_values(cfg, {"scaling.runtime": runtime, "scaling.precision": precision, **placed(cfg, placement)})
-    preflight.check_fit(worker_bundles(cfg), f"{cfg.scaling.num_workers} {runtime} process(es)", offer)
-    if warning:
-        print(f"raytpu: warning: {warning}", file=sys.stderr, flush=True)
-    print(
-        f"raytpu: launch {settings.script} as run {cfg.run.name}: {cfg.scaling.num_workers} {runtime} "
-        f"process(es), mixed precision {ACCELERATE_NAMES[precision]}",
-        flush=True,
-    )
-    storage = storage_of(cfg)
     script = ScriptPlan(
         path=str(Path(settings.script).resolve()),
         args=settings.script_args,
         working_dir=os.getcwd(),
-        mixed_precision=ACCELERATE_NAMES[precision],
         gradient_accumulation_steps=settings.gradient_accumulation_steps,
         state=f"raytpu-launch-{uuid.uuid4().hex[:12]}",
-        last_checkpoint=last_state_number(checkpoint_names(RunFolder(join(storage, cfg.run.name)))),
+        last_checkpoint=last_state_number(checkpoint_names(RunFolder(join(cfg.run.storage_path, cfg.run.name)))),
     )
-    return Plan(config=cfg, mode="launch", storage=storage, name=cfg.run.name, script=script)
+    facts = Facts(
+        mode="launch",
+        offer=read_offer(this_machine=joined_here()),
+        where=joined(),
+        command=command.id,
+        started=command.started,
+        script=script,
+    )
+    plan = make_plan(cfg, facts)
+    check_placement(plan)
+    print_notes(plan)
+    runtime = plan.config.scaling.runtime
+    print(
+        f"raytpu: launch {settings.script} as run {cfg.run.name}: {plan.config.scaling.num_workers} {runtime} "
+        f"process(es), mixed precision {plan.script.mixed_precision}",
+        flush=True,
+    )
+    return plan
 
 
 def run(plan: Plan, marks: dict[str, float]) -> int:

@@ -140,6 +140,11 @@ def check_local(cfg: Config) -> None:
             f"--local writes its run folder on this machine: run.storage_path={cfg.run.storage_path} needs Ray "
             "(drop --local), or give a local folder"
         )
+    if is_remote(cfg.data.path):
+        raise ConfigError(
+            f"--local reads data from this machine's disk: data.path={cfg.data.path} is a bucket, which raytpu "
+            "reads through Ray Data (drop --local), or copy the data to a folder here"
+        )
     if cfg.data.loader == "ray":
         raise ConfigError("--local runs without Ray: data.loader=ray needs it; use data.loader=torch or drop --local")
     if cfg.scaling.runtime == "xla" and cfg.scaling.num_workers > 1:

@@ -8,7 +8,6 @@ retention rule, ``raytpu.worker.reporting``) and retries (``FailureConfig``) all
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from typing import Any
 
@@ -67,12 +66,11 @@ def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
 
     cfg = plan.config
     datasets = ray_datasets(plan)
-    plan = dataclasses.replace(plan, datasets=tuple(sorted(datasets.get("datasets", {}))))
     scored = plan.mode == "train"
     checkpoints = CheckpointConfig(
         num_to_keep=cfg.checkpoint.num_to_keep,
         checkpoint_score_attribute="score" if scored else None,
-        checkpoint_score_order="max" if plan.main_metric_mode == "max" else "min",
+        checkpoint_score_order="max" if plan.facts.main_metric_mode == "max" else "min",
     )
     failures = ray_max_failures(cfg) if plan.mode == "train" else cfg.checkpoint.max_failures
     run_config = RunConfig(
@@ -107,7 +105,7 @@ def ray_storage(storage: str) -> dict[str, Any]:
 def ray_datasets(plan: Plan) -> dict[str, Any]:
     """``TorchTrainer`` arguments of the Ray Data path (none for data.loader=torch)."""
     cfg = plan.config
-    if cfg.data.loader != "ray" or plan.mode == "launch":
+    if not plan.datasets:
         return {}
     from ray.train import DataConfig
 

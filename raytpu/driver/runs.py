@@ -3,8 +3,8 @@ say where everything is.
 
 One preparation step for every way a run starts (:func:`plan_run`): the checks that need no
 cluster (storage, weights, data), the cluster joined (or, with ``--local``, this machine looked
-at) to find the runtime, the config resolved into a frozen :class:`~raytpu.config.plan.Plan`,
-the batch checked against the data and the workers against the cluster. The plan then runs on
+at) and what it offers read, then the one plan function (``raytpu.config.plan.make_plan``) and the
+workers checked against the cluster. The plan then runs on
 Ray Train's workers (``raytpu.driver.ray_trainer``) or on local processes (``raytpu.driver.local``),
 and both end in one :class:`RunSummary`. Nothing here touches an accelerator.
 """
@@ -34,19 +34,17 @@ from raytpu.cluster.connect import (
     leave,
     ray_for_this_command,
 )
-from raytpu.config import Config, ConfigError, dump_yaml, with_values
-from raytpu.config.batching import BatchPlan
-from raytpu.config.plan import Plan, resolve_config, storage_of
+from raytpu.config import Config, ConfigError, dump_yaml
+from raytpu.config.plan import Facts, Plan, anchored, make_plan
 from raytpu.driver import preflight
 from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunFailed, RunStopped
-from raytpu.job import Job, Synthesizes, Tabular
-from raytpu.records import goodput
+from raytpu.job import Job, Synthesizes
+from raytpu.records import devices, goodput
 from raytpu.records.batches import recorded_text
 from raytpu.records.goodput import Command
 from raytpu.records.reports import best_of, complete, entry_of, read_report
-from raytpu.runtime.base import resolve_precision
-from raytpu.runtime.placement import ClusterOffer, Placement, place
+from raytpu.runtime.placement import ClusterOffer
 from raytpu.storage.filesystems import is_remote, join
 from raytpu.storage.run_folder import RunFolder
 
@@ -129,26 +127,6 @@ def resolve_data_root(cfg: Config, job: Job, synthesize: bool | None = None) -> 
     )
 
 
-def reading_data(cfg: Config, job: Job, local: bool) -> Config:
-    """A bucket in ``data.path`` is read through Ray Data (``data.loader=ray``: the parquet tables
-    ``raytpu data prepare`` wrote there), said in a line; a job without tables, or ``--local``,
-    needs a folder, and says so."""
-    if not is_remote(cfg.data.path) or cfg.data.loader == "ray":
-        return cfg
-    if local:
-        raise ConfigError(
-            f"--local reads data from this machine's disk: data.path={cfg.data.path} is a bucket, which raytpu "
-            "reads through Ray Data (drop --local), or copy the data to a folder here"
-        )
-    if not isinstance(job, Tabular):
-        raise ConfigError(
-            f"data.path={cfg.data.path} is a bucket, and job {job.name!r} reads a folder (it has no parquet tables "
-            "for data.loader=ray): give a folder that every node has"
-        )
-    print(f"raytpu: data.path is a bucket: reading {job.name}'s parquet tables through Ray Data (data.loader=ray)")
-    return with_values(cfg, {"data.loader": "ray"})
-
-
 def synthesize_data(cfg: Config, job: Synthesizes, target: Path) -> Path:
     print(f"raytpu: data not found; synthesizing a small {cfg.job.name} data set in {target}", flush=True)
     job.synthesize(target, **job.synth_options(cfg))
@@ -156,15 +134,23 @@ def synthesize_data(cfg: Config, job: Synthesizes, target: Path) -> Path:
 
 
 # ------------------------------------------------------------------ the plan
-def plan_run(cfg: Config, job: Job, mode: str, address: str | None = None, local: bool = False) -> Plan:
-    """Every check, then the plan of a ``train`` or ``test`` run (and, once per sweep, of ``tune``)."""
+def plan_run(
+    cfg: Config,
+    job: Job,
+    mode: str,
+    address: str | None = None,
+    local: bool = False,
+    command: Command | None = None,
+    stop: str = "",
+) -> Plan:
+    """Every check, what the cluster offers, then the plan (:func:`~raytpu.config.plan.make_plan`)
+    of a ``train`` or ``test`` run (and, once per sweep, of ``tune``), and the lines that say it."""
     if local and address:
         raise ConfigError("--local runs without Ray: drop --address (or drop --local to use the cluster)")
     if mode == "test" and not cfg.checkpoint.weights:
         raise ConfigError(
             "test mode needs weights: pass --checkpoint PATH (or --weight-path / checkpoint.weights=PATH)"
         )
-    cfg = reading_data(cfg, job, local)
     if local:
         preflight.check_local(cfg)
     else:
@@ -174,63 +160,65 @@ def plan_run(cfg: Config, job: Job, mode: str, address: str | None = None, local
     data_root = resolve_data_root(cfg, job, synthesize=None if mode == "train" else False)
     sizes = preflight.check_data(cfg, job, data_root, mode)
     if local:
-        offer = local_offer()
+        offer, where = local_offer(), "local processes"
     else:
         connect(address, quiet=mode == "test", verbose=cfg.logging.verbose)
-        offer = read_offer(this_machine=joined_here())
-    placement = place_workers(cfg, offer, local)
-    precision, warning = resolve_precision(placement.runtime, cfg.scaling.precision)
-    if warning:
-        print(f"raytpu: warning: {warning}", file=sys.stderr, flush=True)
-    resolved = resolve_config(cfg, placement.runtime, precision, placement)
-    for split, samples in sizes.items():
-        BatchPlan.of(resolved).check_split(split, samples, str(data_root))
-    if not local:
-        from raytpu.driver.ray_trainer import worker_bundles
-
-        resolved = leave_cpu_for_ray_data(resolved)
-        what = f"{resolved.scaling.num_workers} {placement.runtime} worker(s)"
-        preflight.check_fit(worker_bundles(resolved), what, offer)
+        offer, where = read_offer(this_machine=joined_here()), joined()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    name = cfg.run.name if mode == "train" else f"{cfg.run.name}/test-{stamp}"
-    plan = Plan(
-        config=resolved,
+    command = command or Command()
+    facts = Facts(
         mode=mode,
-        storage=storage_of(cfg),
-        name=name,
-        data_root=str(data_root),
+        offer=offer,
+        local=local,
+        where=where,
         main_metric_mode=job.main_metric_mode,
+        data_root=str(data_root),
         split_sizes=tuple(sizes.items()),
+        name="" if mode == "train" else f"{cfg.run.name}/test-{stamp}",
+        command=command.id,
+        started=command.started,
+        stop=stop,
     )
-    print(where_it_runs(plan, "local processes" if local else joined()), flush=True)
+    plan = make_plan(anchored(cfg), facts)
+    check_placement(plan)
+    say(plan)
     return plan
 
 
-def where_it_runs(plan: Plan, cluster: str) -> str:
+def check_placement(plan: Plan) -> None:
+    """The plan's workers against what the cluster (or this machine) has and can start."""
+    cfg, offer = plan.config, plan.facts.offer
+    preflight.check_sharded_workers(cfg, cfg.scaling.runtime, {k: float(offer.offers(k)) for k in ("TPU", "GPU")})
+    if plan.facts.local:
+        preflight.check_local_accelerators(plan.placement, offer)
+        return
+    from raytpu.driver.ray_trainer import worker_bundles
+
+    preflight.check_fit(worker_bundles(cfg), f"{cfg.scaling.num_workers} {cfg.scaling.runtime} worker(s)", offer)
+
+
+def say(plan: Plan) -> None:
+    """The plan's notes, then its one line: where, what, how the batch splits."""
+    print_notes(plan)
+    print(where_it_runs(plan), flush=True)
+
+
+def print_notes(plan: Plan) -> None:
+    """What the plan says before the run (what ``auto`` chose, what differs from the config; a
+    warning on stderr)."""
+    for note in plan.notes:
+        print(f"raytpu: {note}", file=sys.stderr if note.startswith("warning:") else sys.stdout, flush=True)
+
+
+def where_it_runs(plan: Plan) -> str:
     """One line: the cluster, the workers, the runtime and precision, and the batch per worker."""
     cfg, batch = plan.config, plan.batch
     accum = f" x {batch.grad_accum} accumulation steps" if batch.grad_accum > 1 else ""
     return (
-        f"raytpu: {plan.mode} {cfg.run.name} on {cluster}: {batch.workers} {cfg.scaling.runtime} "
+        f"raytpu: {plan.mode} {cfg.run.name} on {plan.facts.where}: {batch.workers} {cfg.scaling.runtime} "
         f"worker(s), {cfg.scaling.precision}, {batch.per_worker} samples per worker{accum} "
         f"(global batch {batch.global_batch})"
     )
-
-
-def place_workers(cfg: Config, offer: ClusterOffer, local: bool) -> Placement:
-    """The runtime and the workers' resources from what the cluster has and can start, said in a
-    line when ``auto`` chose or the placement differs from the config."""
-    scaling = cfg.scaling
-    named_slice = bool(scaling.tpu.accelerator_type)
-    placement = place(scaling.runtime, scaling.num_workers, scaling.tpu.layout, named_slice, offer)
-    preflight.check_sharded_workers(cfg, placement.runtime, {k: float(offer.offers(k)) for k in ("TPU", "GPU")})
-    if local:
-        preflight.check_local_accelerators(placement, offer)
-    if placement.why:
-        print(f"raytpu: scaling.runtime auto -> {placement.runtime}: {placement.why}", flush=True)
-    if placement.note:
-        print(f"raytpu: {placement.note}", flush=True)
-    return placement
 
 
 def local_offer() -> ClusterOffer:
@@ -241,26 +229,6 @@ def local_offer() -> ClusterOffer:
 
     node = {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count()), "TPU": float(tpu_present())}
     return ClusterOffer(nodes=(node,), available=node, this_machine=True)
-
-
-def leave_cpu_for_ray_data(cfg: Config) -> Config:
-    """data.loader=ray: Ray Data's read tasks need a free CPU. On a cluster whose workers would
-    reserve every CPU (a 2-core machine with 2 workers), the plan reserves less per worker."""
-    import ray
-
-    if cfg.data.loader != "ray" or cfg.scaling.cpus_per_worker < 1:
-        return cfg
-    total = ray.cluster_resources().get("CPU", 0.0)
-    spare = total - cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
-    if spare >= 1 or total <= 1:
-        return cfg
-    share = (total - 1) / cfg.scaling.num_workers
-    print(
-        f"raytpu: data.loader=ray: leaving 1 of the cluster's {total:g} CPUs to Ray Data "
-        f"(scaling.cpus_per_worker {cfg.scaling.cpus_per_worker:g} -> {share:g})",
-        flush=True,
-    )
-    return with_values(cfg, {"scaling.cpus_per_worker": share})
 
 
 def stage(plan: Plan) -> None:
@@ -276,18 +244,17 @@ def train(
     with the run's goodput. ``started``: when the command started (default: now)."""
     command = Command(started=started or time.time())
     instances = tuple(STARTED_HERE)  # Ray instances of this process that the command did not start
+    stop = StopOnSignal(local=local)
     try:
-        plan = plan_run(cfg, job, "train", address, local)
+        plan = plan_run(cfg, job, "train", address, local, command, stop.spec)
     except BaseException:
         leave(keep=instances)
         raise
-    plan = dataclasses.replace(plan, command=command.id, started=command.started)
     stage(plan)
     folder = RunFolder(plan.run_dir)
     goodput.begin(folder, command)
     try:
-        with StopOnSignal(local=local) as stop:
-            plan = dataclasses.replace(plan, stop=stop.spec)
+        with stop:
             summary = train_locally(plan, stop) if local else train_on_ray(plan)
             summary = dataclasses.replace(summary, stopped_by=stop.stopped_by())
     except BaseException:
@@ -299,7 +266,9 @@ def train(
     record = goodput.end(folder, command, "stopped" if summary.stopped_by else "completed")
     write_goodput_scalars(folder, record, summary.step or 0)
     found = recorded_text(folder, plan.batch.global_batch)
-    print("\n".join([*summary.lines(found), f"goodput:           {goodput.summary_line(record)}"]), flush=True)
+    ran = devices.read(folder)
+    lines = [*summary.lines(found), *([f"ran as:            {devices.line(ran)}"] if ran else [])]
+    print("\n".join([*lines, f"goodput:           {goodput.summary_line(record)}"]), flush=True)
     if summary.stopped_by:
         raise RunStopped(
             summary.stopped_by,
@@ -336,7 +305,7 @@ def train_on_ray(plan: Plan) -> RunSummary:
     latest = located(plan, result.checkpoint) if result.checkpoint else None
     if latest is not None and all(path != latest for path, _ in reported):
         reported.append((latest, result.metrics or {}))
-    summary = summary_of(plan.run_dir, reported, plan.main_metric_mode)
+    summary = summary_of(plan.run_dir, reported, plan.facts.main_metric_mode)
     return dataclasses.replace(summary, latest_checkpoint=latest, step=(result.metrics or {}).get("step"))
 
 
@@ -350,7 +319,7 @@ def train_locally(plan: Plan, stop: StopOnSignal) -> RunSummary:
 
     run_processes(plan, stop)
     reported = [(str(path), read_report(path)) for path in complete(Path(plan.run_dir))]
-    return summary_of(plan.run_dir, reported, plan.main_metric_mode)
+    return summary_of(plan.run_dir, reported, plan.facts.main_metric_mode)
 
 
 def test(cfg: Config, job: Job, address: str | None = None) -> dict[str, float]:

@@ -49,8 +49,9 @@ class StopOnSignal:
     this machine (a file says ``requested``, then ``stopped``); else Ray's (a :class:`StopFlag` actor)."""
 
     def __init__(self, local: bool = False) -> None:
-        self.file = Path(tempfile.mkdtemp(prefix="raytpu-stop-")) / "stop" if local else None
         self.name = f"raytpu-stop-{uuid.uuid4().hex[:12]}"
+        # named now, for the plan; the folder is made when the handler is installed (__enter__)
+        self.file = Path(tempfile.gettempdir()) / self.name / "stop" if local else None
         self.spec = f"file:{self.file}" if self.file else f"actor:{self.name}"
         self.signum: int | None = None
         self.actor: Any = None
@@ -58,6 +59,8 @@ class StopOnSignal:
         self.confirmed: bool | None = None  # read when a local run's stop file is cleaned up
 
     def __enter__(self) -> StopOnSignal:
+        if self.file is not None:
+            self.file.parent.mkdir(mode=0o700)
         if threading.current_thread() is threading.main_thread():
             self.previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         return self

@@ -24,10 +24,9 @@ from ray.tune import Callback
 
 from raytpu.cluster.capacity import read_offer
 from raytpu.cluster.connect import joined_here, ray_for_this_command
-from raytpu.config import Config, ConfigError, TuneConfig, dump_yaml, from_dict, load_config, to_dict, with_values
+from raytpu.config import Config, ConfigError, TuneConfig, dump_yaml, load_config, with_values
 from raytpu.config.args import extract
-from raytpu.config.batching import BatchPlan
-from raytpu.config.plan import Plan, resolve_config, storage_of
+from raytpu.config.plan import Plan, storage_of
 from raytpu.driver.ray_trainer import ray_storage, wait_for_workers, worker_bundles
 from raytpu.driver.search import Search, parse_search, searches_of
 from raytpu.job import Job
@@ -80,8 +79,8 @@ def scaled_lr(lr: float, batch: int, tune_cfg: Any, config_batch: int) -> float:
     return lr
 
 
-def run_trial(values: dict[str, Any], base: dict[str, Any], sweep_plan: dict[str, Any], runs_dir: str) -> None:
-    """The Tune trainable: the trial's plan (the sweep's, with the trial's config), its ``TorchTrainer``."""
+def run_trial(values: dict[str, Any], sweep_plan: dict[str, Any], runs_dir: str) -> None:
+    """The Tune trainable: the trial's plan (the sweep's, remade with the trial's values), its ``TorchTrainer``."""
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -90,8 +89,7 @@ def run_trial(values: dict[str, Any], base: dict[str, Any], sweep_plan: dict[str
 
     command = Command()  # the trial: its goodput counts from its own start
     trial_id = tune.get_context().get_trial_id()
-    plan = trial_plan(from_dict(base)[0], Plan.from_dict(sweep_plan), values, trial_id, runs_dir)
-    plan = dataclasses.replace(plan, command=command.id, started=command.started)
+    plan = trial_plan(Plan.from_dict(sweep_plan), values, trial_id, runs_dir, command)
     stage(plan)
     folder = RunFolder(plan.run_dir)
     goodput.begin(folder, command)
@@ -103,27 +101,14 @@ def run_trial(values: dict[str, Any], base: dict[str, Any], sweep_plan: dict[str
         goodput.end(folder, command, outcome)
 
 
-def trial_plan(base: Config, sweep: Plan, values: dict[str, Any], trial_id: str, runs_dir: str) -> Plan:
-    """A trial's plan: the sweep's (runtime, precision, data, CPUs per worker) with the trial's own
-    config, resolved and checked against the data as the sweep's was; a folder of its own."""
-    scaling = sweep.config.scaling
-    cfg = with_values(
-        trial_config(base, values),
-        # the sweep records the searched values, early-stopped trials included
-        {"run.name": trial_id, "run.storage_path": runs_dir, "logging.hparams": False},
-    )
-    placed = {
-        "data.loader": sweep.config.data.loader,
-        "scaling.num_workers": scaling.num_workers,
-        "scaling.resources_per_worker": scaling.resources_per_worker,
-        "scaling.cpus_per_worker": scaling.cpus_per_worker,
-        "scaling.tpu.accelerator_type": scaling.tpu.accelerator_type,
-        "scaling.tpu.topology": scaling.tpu.topology,
-    }
-    resolved = resolve_config(with_values(cfg, placed), scaling.runtime, scaling.precision)
-    for split, samples in sweep.split_sizes:
-        BatchPlan.of(resolved).check_split(split, samples, sweep.data_root)
-    return dataclasses.replace(sweep, config=resolved, storage=runs_dir, name=trial_id)
+def trial_plan(sweep: Plan, values: dict[str, Any], trial_id: str, runs_dir: str, command: Command) -> Plan:
+    """A trial's plan: the sweep's, made again by the one plan function from the user's config
+    with the trial's values (and its learning-rate scaling), in a folder of its own; its batch is
+    checked against the data as the sweep's was."""
+    trial = {**values, "optim.lr": trial_config(sweep.asked, values).optim.lr}
+    # the sweep records the searched values, early-stopped trials included
+    trial.update({"run.name": trial_id, "run.storage_path": runs_dir, "logging.hparams": False})
+    return sweep.remade(trial, command=command.id, started=command.started)
 
 
 def reports_per_trial(cfg: Config) -> int:
@@ -239,11 +224,11 @@ def run(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
 
     searches = searches_of(cfg)
     plan = plan_run(cfg, job, "train", address)
-    sweep = Sweep(cfg, job, searches, plan.data_root)
+    sweep = Sweep(cfg, job, searches, plan.facts.data_root)
     concurrent = max_concurrent_trials(plan.config, read_offer(this_machine=joined_here()).capacities())
     runs = join(sweep.dir, "runs")
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, base=to_dict(cfg), sweep_plan=plan.as_dict(), runs_dir=runs),
+        tune.with_parameters(run_trial, sweep_plan=plan.as_dict(), runs_dir=runs),
         DRIVER_RESOURCES,
     )
     tuner = make_tuner(sweep, trainable, concurrent)

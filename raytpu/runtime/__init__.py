@@ -23,7 +23,15 @@ from raytpu.runtime.base import (
 )
 from raytpu.runtime.torch_ddp import DDPRuntime
 
-__all__ = ["Runtime", "batchnorm_scope", "clip_or_measure", "make_runtime", "pick_runtime", "resolve_precision"]
+__all__ = [
+    "Runtime",
+    "batchnorm_scope",
+    "clip_or_measure",
+    "make_runtime",
+    "pick_runtime",
+    "resolve_precision",
+    "tpu_present",
+]
 
 
 def make_runtime(
@@ -33,21 +41,23 @@ def make_runtime(
     rank: int,
     local_rank: int,
     xla_options: Any = None,
+    compile_cache: str = "",
     warn: Callable[[str], None] = warnings.warn,
 ) -> Runtime:
-    """Build the runtime asked for (``auto`` resolved here, on the worker)."""
-    name = pick_runtime(runtime, tpu_present(), torch.cuda.is_available())
-    if name == "cuda" and not torch.cuda.is_available():
+    """Build the plan's runtime on this worker. What only the device can tell is decided here, once:
+    a GPU without bf16 runs ``bf16`` as fp16 with a gradient scaler (said through ``warn``; the
+    worker records what ran). ``compile_cache``: XLA's persistent cache folder ("" or "none": none)."""
+    if runtime == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             "scaling.runtime=cuda but this worker sees no GPU: check the node's GPU (nvidia-smi, "
             "CUDA_VISIBLE_DEVICES), or run with scaling.runtime=cpu"
         )
-    bf16_ok = name != "cuda" or torch.cuda.is_bf16_supported()
-    resolved, message = resolve_precision(name, precision, bf16_ok)
+    bf16_ok = runtime != "cuda" or torch.cuda.is_bf16_supported()
+    resolved, message = resolve_precision(runtime, precision, bf16_ok)
     if message:
         warn(message)
-    if name == "xla":
+    if runtime == "xla":
         from raytpu.runtime.xla import XLARuntime  # imports torch_xla: only on XLA workers
 
-        return XLARuntime(resolved, world_size, rank, local_rank, xla_options)
-    return DDPRuntime(name, resolved, world_size, rank, local_rank)
+        return XLARuntime(resolved, world_size, rank, local_rank, xla_options, compile_cache)
+    return DDPRuntime(runtime, resolved, world_size, rank, local_rank)

@@ -121,8 +121,8 @@ def place(requested: str, num_workers: int, layout: str, slice_named: bool, offe
         chips = tpu_chips_per_worker(layout, workers, offer)
         if not chips:
             note = "the cluster has no TPU: the xla workers run XLA on the CPU PJRT device"
-        elif workers > 1:  # Ray Train gang-schedules several TPU workers only as a slice
-            tpu_slice, chips = slice_of(chips, workers, layout, offer), 0
+        elif workers > 1 and pack([{"TPU": float(chips)}] * workers, offer.capacities()):
+            tpu_slice, chips = slice_of(chips, workers, layout, offer), 0  # Ray Train reserves them as a slice
     return Placement(runtime, workers, chips, tpu_slice, why, note)
 
 

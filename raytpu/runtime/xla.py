@@ -39,7 +39,9 @@ class XLARuntime(Runtime):
     name = "xla"
     static_graph = True
 
-    def __init__(self, precision: str, world_size: int, rank: int, local_rank: int, options: Any = None) -> None:
+    def __init__(
+        self, precision: str, world_size: int, rank: int, local_rank: int, options: Any = None, compile_cache: str = ""
+    ) -> None:
         super().__init__(precision, world_size, rank, local_rank)
         if not tpu_present():
             os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -49,7 +51,7 @@ class XLARuntime(Runtime):
 
         self.options = options
         self.spmd = bool(options and options.spmd)
-        cache_dir = getattr(options, "compile_cache", "") if options else ""
+        cache_dir = compile_cache or (getattr(options, "compile_cache", "") if options else "")
         if cache_dir and cache_dir != "none":
             os.makedirs(cache_dir, exist_ok=True)
             xr.initialize_cache(os.path.join(cache_dir, f"worker_{rank}"), readonly=False)

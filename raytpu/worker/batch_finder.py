@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
-from raytpu.config import Config, with_values
+from raytpu.config import Config
 from raytpu.config.batching import BatchPlan
+from raytpu.config.plan import Plan
 from raytpu.records.batches import read_record, record
 from raytpu.storage.run_folder import RunFolder
 
@@ -88,25 +89,26 @@ def agree(plan: BatchPlan, failed_at: int, world_size: int) -> tuple[BatchPlan, 
 
 # ----------------------------------------------------------------- finder
 class BatchFinder:
-    """One worker's search: the starting plan agreed by every rank, then Accelerate's finder. Each
-    attempt trains with a new config holding the plan's accumulation steps; the config a run
-    started with is never changed (the record and the checkpoints' ``meta.json`` say what ran)."""
+    """One worker's search: the starting batch agreed by every rank, then Accelerate's finder. Each
+    attempt trains with the config of a new plan, made by the one plan function from the user's
+    config with the batch's accumulation steps; the run's plan is never changed (the record and the
+    checkpoints' ``meta.json`` say what ran)."""
 
-    def __init__(self, cfg: Config, runtime: Runtime, run_dir: RunFolder) -> None:
-        self.cfg, self.runtime, self.run_dir = cfg, runtime, run_dir
+    def __init__(self, base: Plan, runtime: Runtime, run_dir: RunFolder) -> None:
+        self.base, self.runtime, self.run_dir = base, runtime, run_dir
         self.devices = runtime.local_devices
-        configured = BatchPlan.of(cfg)
+        configured = base.batch
         found = read_record(run_dir, configured, self.devices) or (configured, 0)
         self.plan, failed_at = agree(*found, runtime.world_size)
         if self.plan != configured:
             self._announce(reduction_message(failed_at, self.plan, self.devices))
 
     def config(self) -> Config:
-        """The config of the current plan: its accumulation steps (and per-device batch, when given)."""
+        """The config of the current batch: its accumulation steps (and per-device batch, when given)."""
         values: dict[str, int] = {"loop.grad_accum": self.plan.grad_accum}
-        if self.cfg.data.per_device_train_batch_size:
+        if self.base.asked.data.per_device_train_batch_size:
             values["data.per_device_train_batch_size"] = self.plan.per_device(self.devices)
-        return with_values(self.cfg, values)
+        return self.base.remade(values).config
 
     def run(self, fit: Callable[[Config], T]) -> T:
         from accelerate.utils import find_executable_batch_size  # after the runtime set USE_TORCH_XLA
@@ -157,8 +159,8 @@ class BatchFinder:
             print(f"raytpu: {message}", flush=True)
 
 
-def fit_finding_batch(cfg: Config, runtime: Runtime, run_dir: RunFolder, fit: Callable[[Config], T]) -> T:
-    """``fit(cfg)``, through the batch finder when ``loop.auto_find_batch_size`` is on."""
-    if not cfg.loop.auto_find_batch_size:
-        return fit(cfg)
-    return BatchFinder(cfg, runtime, run_dir).run(fit)
+def fit_finding_batch(plan: Plan, runtime: Runtime, run_dir: RunFolder, fit: Callable[[Config], T]) -> T:
+    """``fit(plan.config)``, through the batch finder when ``loop.auto_find_batch_size`` is on."""
+    if not plan.config.loop.auto_find_batch_size:
+        return fit(plan.config)
+    return BatchFinder(plan, runtime, run_dir).run(fit)

@@ -25,6 +25,7 @@ from raytpu.config import Config
 from raytpu.config.plan import Plan
 from raytpu.errors import WorkerFailed
 from raytpu.job import load_job
+from raytpu.records import devices
 from raytpu.records.batches import EXIT_BATCH_REDUCED
 from raytpu.records.checkpoints import save_json
 from raytpu.records.goodput import Command
@@ -54,16 +55,18 @@ def run(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | N
     from raytpu.worker.loop import Trainer
 
     cfg, job = plan.config, load_job(plan.config.job.name)
-    xla = with_compile_cache(cfg, plan.run_dir).xla
-    runtime = make_runtime(cfg.scaling.runtime, cfg.scaling.precision, seat.world, seat.rank, seat.local_rank, xla)
-
-    command = Command(plan.command, plan.started) if plan.command else None
+    scaling, cache = cfg.scaling, compile_cache(cfg, plan.run_dir)
+    runtime = make_runtime(scaling.runtime, scaling.precision, seat.world, seat.rank, seat.local_rank, cfg.xla, cache)
+    folder = RunFolder(plan.run_dir)
+    if runtime.is_main:
+        devices.record(folder, devices.of(runtime, scaling.precision))
+    command = Command(plan.facts.command, plan.facts.started) if plan.facts.command else None
 
     def trainer(cfg: Config) -> Trainer:
-        return Trainer(cfg, job, runtime, plan.run_dir, Path(plan.data_root), reporter, datasets, command=command)
+        return Trainer(cfg, job, runtime, plan.run_dir, Path(plan.facts.data_root), reporter, datasets, command=command)
 
     if plan.mode == "train":
-        fit_finding_batch(cfg, runtime, RunFolder(plan.run_dir), lambda cfg: trainer(cfg).fit())
+        fit_finding_batch(plan, runtime, folder, lambda cfg: trainer(cfg).fit())
         return
     metrics = trainer(cfg).test()
     results = Path(tempfile.mkdtemp(prefix="raytpu-test-")) if runtime.is_main else None
@@ -72,16 +75,14 @@ def run(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | N
     reporter.report(metrics, results, "test")
 
 
-def with_compile_cache(cfg: Config, run_dir: str) -> Config:
-    """XLA's persistent compile cache in the run folder unless ``xla.compile_cache`` names another;
-    a run in a bucket keeps it on each host's disk (the cache is read at every compile)."""
-    from raytpu.config import with_values
-
-    if cfg.xla.compile_cache:
-        return cfg
+def compile_cache(cfg: Config, run_dir: str) -> str:
+    """XLA's persistent compile cache: ``xla.compile_cache``, else in the run folder, or on each
+    host's disk for a run in a bucket (the cache is read at every compile); known only on the
+    worker, whose disk it is."""
+    if cfg.xla.compile_cache or cfg.scaling.runtime != "xla":
+        return cfg.xla.compile_cache
     folder = RunFolder(run_dir)
-    cache = folder.local("xla_cache") if folder.remote else Path(run_dir) / "xla_cache"
-    return with_values(cfg, {"xla.compile_cache": str(cache)})
+    return str(folder.local("xla_cache") if folder.remote else Path(run_dir) / "xla_cache")
 
 
 # ------------------------------------------------------------------ Ray Train
@@ -98,7 +99,7 @@ def ray_entry(plan_values: dict[str, Any]) -> None:
     tpu = cfg.scaling.tpu
     if cfg.scaling.runtime == "xla" and tpu.accelerator_type and tpu.layout == "multiprocess":
         configure_chip_process(cfg, seat.rank)
-    reporter = RayReporter(plan.run_dir, seat.rank, seat.world, plan.stop)
+    reporter = RayReporter(plan.run_dir, seat.rank, seat.world, plan.facts.stop)
     try:
         run(plan, seat, reporter, {name: ray.train.get_dataset_shard(name) for name in plan.datasets})
     except Exception:  # the driver prints the traceback once, then its one line
@@ -152,8 +153,8 @@ def local_entry(plan_path: str) -> None:
     if world > 1:
         with muted_stdout(not cfg.logging.verbose):  # gloo's "[Gloo] Rank N is connected" notice
             dist.init_process_group("nccl" if cfg.scaling.runtime == "cuda" else "gloo")
-    keep, mode = cfg.checkpoint.num_to_keep, plan.main_metric_mode
-    reporter = FolderReporter(Path(plan.run_dir), keep, mode, rank, world, plan.stop)
+    keep, mode = cfg.checkpoint.num_to_keep, plan.facts.main_metric_mode
+    reporter = FolderReporter(Path(plan.run_dir), keep, mode, rank, world, plan.facts.stop)
     try:
         run(plan, seat, reporter)
     except BatchReduced as exc:  # the driver restarts every rank; the others may be mid-collective

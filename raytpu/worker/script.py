@@ -92,7 +92,7 @@ def run_script_worker(plan: Plan, seat: Any, reporter: Reporter) -> None:
     code, details = run_script(script)
     if profile is not None:
         profile.remove()
-    if rank == 0 and plan.command:
+    if rank == 0 and plan.facts.command:
         record_script_time(folder, plan, (entered, began), final=code == 0)
     restore_output()
     folder.sync(log)
@@ -113,7 +113,7 @@ def record_script_time(folder: RunFolder, plan: Plan, times: tuple[float, float]
 
     entered, began = times
     attempt = {"id": uuid.uuid4().hex[:12], "entered": entered, "first_step": began, "recorded": time.time()}
-    record_attempt(folder, Command(plan.command, plan.started), {**attempt, "final": final, "seconds": {}})
+    record_attempt(folder, Command(plan.facts.command, plan.facts.started), {**attempt, "final": final, "seconds": {}})
 
 
 def script_profile(plan: Plan, rank: int, folder: RunFolder) -> Any:
