@@ -182,8 +182,8 @@ def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, 
     from raytpu.driver import preflight
     from raytpu.driver.runs import check_placement, print_notes
 
+    preflight.check_storage(settings.config)
     cfg = anchored(settings.config)
-    preflight.check_storage(cfg)
     check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
     marks["connect"] = time.time()
     connect(address, verbose=cfg.logging.verbose)
