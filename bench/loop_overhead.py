@@ -22,12 +22,10 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raytpu.config import load_config  # noqa: E402
+from raytpu.hooks import Callback  # noqa: E402
 from raytpu.job import StepContext  # noqa: E402
 from raytpu.runtime import make_runtime  # noqa: E402
-from raytpu.worker.loop import (
-    Callback,  # noqa: E402
-    Trainer,  # noqa: E402
-)
+from raytpu.worker.loop import Trainer  # noqa: E402
 from raytpu.worker.optim import build_optimizer  # noqa: E402
 from raytpu.worker.reporting import FolderReporter  # noqa: E402
 

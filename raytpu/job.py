@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,9 @@ ROWS_PER_FILE = 256
 class JobConfig:
     """Job-specific settings, the ``job:`` section of a config file.
 
-    Jobs subclass it (as a frozen dataclass) and add their own fields (model size, augmentation, ...).
+    Jobs subclass it as a frozen dataclass (``@dataclass(frozen=True)``; Python refuses a plain
+    ``@dataclass`` subclass of a frozen one, and ``load_job`` says so in one line) and add their own
+    fields (model size, augmentation, ...).
     """
 
     name: str = ""
@@ -110,6 +113,14 @@ class Job:
 
 
 # ------------------------------------------------------------------ capabilities
+@runtime_checkable
+class HasCallbacks(Protocol):
+    """Hooks the job adds to every run of it (``raytpu.hooks.Callback`` instances, made on each
+    worker), beside the ones a config names in ``loop.callbacks``."""
+
+    def callbacks(self, cfg: Config) -> list[Any]: ...
+
+
 @runtime_checkable
 class Synthesizes(Protocol):
     """``raytpu data synth``, and ``data.synthesize_if_missing``: a small data set in the job's layout."""
@@ -225,21 +236,28 @@ def in_warmup(job: Job, cfg: Config, epoch: int) -> bool:
 
 # ------------------------------------------------------------------ finding a job
 def job_module(name: str) -> str:
-    """The module of job ``name``: ``mshnet`` -> ``raytpu.jobs.mshnet``; a dotted name is one already."""
-    return name if "." in name else f"{SHIPPED}.{name}"
+    """The module of job ``name``: a dotted name is one already; an undotted one is a shipped job
+    (``mshnet`` -> ``raytpu.jobs.mshnet``) or else a top-level module of the user's (``my_job``
+    for ``./my_job.py``)."""
+    if "." in name:
+        return name
+    shipped = f"{SHIPPED}.{name}"
+    return name if not importable(shipped) and importable(name) else shipped
 
 
 def load_job(name: str) -> Job:
-    """Resolve ``name`` to a job: ``mshnet`` -> ``raytpu.jobs.mshnet``, or a dotted module path."""
+    """Resolve ``name`` to a job (:func:`job_module`); a mistake is a ``ValueError`` that says how to fix it."""
     module_name = job_module(name)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if not (exc.name and module_name.startswith(exc.name)):
             raise missing_dependency(exc, name) from exc
-        raise ValueError(
-            f"unknown job {name!r}: no module {module_name}; known jobs: {', '.join(known_jobs())}"
-        ) from None
+        raise ValueError(unknown_job(name, module_name)) from None
+    except TypeError as exc:
+        if "frozen" not in str(exc):
+            raise
+        raise ValueError(f"{where_raised(exc, module_name)}: {exc}: {FROZEN_FIX}") from None
     job = getattr(module, "JOB", None)
     if not isinstance(job, Job):
         raise ValueError(f"module {module_name!r} has no JOB = <Job instance>; add one to plug the job in")
@@ -247,6 +265,32 @@ def load_job(name: str) -> Job:
         if not importable(required):
             raise missing_dependency(ModuleNotFoundError(name=required), name)
     return job
+
+
+#: how to declare a job's config class, when Python refused the declaration
+FROZEN_FIX = (
+    "declare the job's config class @dataclass(frozen=True), as raytpu.job.JobConfig is "
+    "(configs are frozen: change them with overrides or dataclasses.replace)"
+)
+
+
+def unknown_job(name: str, module_name: str) -> str:
+    """The answer to a job name that names no module, with how to name one's own."""
+    if "." in name:
+        return f"unknown job {name!r}: no module {module_name} on the path (raytpu runs from {Path.cwd()})"
+    return (
+        f"unknown job {name!r}: not a shipped job ({', '.join(known_jobs())}) and no module {name} on the path; "
+        f"name a job of your own by its module path from the folder raytpu runs in "
+        f"({name} for ./{name}.py, mypkg.{name} for ./mypkg/{name}.py)"
+    )
+
+
+def where_raised(exc: BaseException, module_name: str) -> str:
+    """``file:line`` of the job module's line that raised ``exc`` (the class declaration), else the module."""
+    spec = importlib.util.find_spec(module_name)
+    origin = spec.origin if spec else None
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__) if frame.filename == origin]
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else f"job module {module_name}"
 
 
 def importable(module: str) -> bool:

@@ -17,12 +17,13 @@ from raytpu import cli
 from raytpu.config import load_config
 from raytpu.config.args import ConfigError
 from raytpu.config.plan import resolve_config
+from raytpu.hooks import Callback
 from raytpu.jobs.causal_lm import corpus
 from raytpu.records import checkpoints as ckpt
 from raytpu.runtime import make_runtime
 from raytpu.storage.run_folder import RunFolder
 from raytpu.worker.cadence import Cadence
-from raytpu.worker.loop import Callback, Trainer
+from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter
 from tests.conftest import ROOT, run_python
 from tests.stores import BUCKET

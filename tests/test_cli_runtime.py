@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from raytpu import cli
@@ -94,3 +96,52 @@ def test_a_missing_data_path_is_made_there_or_falls_back_to_data_job(tmp_path, m
     cfg, job = load_config(None, [*base[:1], f"data.path={tmp_path / 'other'}"])
     with pytest.warns(UserWarning, match="does not exist; using 'data/tests.toy_job'"):
         assert resolve_data_root(cfg, job) == tmp_path / "data" / "tests.toy_job"
+
+
+OWN_JOB = """
+from dataclasses import dataclass
+
+from raytpu.job import JobConfig
+from tests.toy_job import JOB as TOY
+
+
+@dataclass{frozen}
+class MyConfig(JobConfig):
+    name: str = "my_job"
+
+
+class MyJob(type(TOY)):
+    name, config_class = "my_job", MyConfig
+
+
+JOB = MyJob()
+"""
+
+
+def own_job(folder, frozen: bool) -> str:
+    (folder / "my_job.py").write_text(OWN_JOB.replace("{frozen}", "(frozen=True)" if frozen else ""))
+    (folder / "my.yaml").write_text("job: {name: my_job}\ndata: {synthesize_if_missing: true}\n")
+    return str(folder / "my.yaml")
+
+
+def test_a_plain_dataclass_job_config_is_one_line_saying_how_to_declare_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_job", raising=False)
+    code = cli.main(["train", own_job(tmp_path, frozen=False), "--local"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("raytpu: error: ") and "\n" not in err, err
+    assert "my_job.py:8: cannot inherit non-frozen dataclass from a frozen one" in err
+    assert "@dataclass(frozen=True)" in err
+
+
+def test_an_undotted_name_finds_ones_own_module_or_says_how_to_name_it(tmp_path, monkeypatch):
+    from raytpu.job import load_job
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_job", raising=False)
+    own_job(tmp_path, frozen=True)
+    assert load_job("my_job").name == "my_job"
+    assert load_job("mshnet").name == "mshnet"  # a shipped job keeps its short name
+    with pytest.raises(ValueError, match=r"name a job of your own by its module path .*\(my_jb for ./my_jb.py"):
+        load_job("my_jb")

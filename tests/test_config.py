@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from raytpu.config import ConfigError, dump_yaml, from_dict, load_config, to_dict, with_values
-from raytpu.config.args import extract, parse_overrides
+from raytpu.config.args import extract, read_overrides
 from raytpu.config.batching import BatchPlan
 from raytpu.config.plan import Plan, ScriptPlan
 
@@ -135,9 +135,9 @@ def test_the_plan_is_made_once_frozen_and_travels_as_plain_values(tmp_path):
     assert auto.notes[0].startswith("scaling.runtime auto -> xla: the autoscaler can start TPU nodes")
 
 
-def test_parse_overrides_flag_needs_value():
+def test_a_flag_needs_a_value():
     with pytest.raises(ConfigError, match="needs a value"):
-        parse_overrides(["--lr"], {"--lr": "optim.lr"})
+        read_overrides(["--lr"], {"--lr": "optim.lr"})
 
 
 def test_shipped_configs_load():

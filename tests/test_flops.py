@@ -3,6 +3,7 @@ arithmetic, documented peaks, and what a CPU run logs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from raytpu.jobs.cdeit.model import SMALL, DiT, DiTConfig, training_flops
 from raytpu.runtime import make_runtime
 from raytpu.runtime.base import Runtime
 from raytpu.runtime.peaks import gpu_peak_flops, tpu_peak_flops
-from raytpu.worker.flops import count_training_flops, matmul_parameters, mfu, perf_scalars, transformer_flops_per_token
+from raytpu.worker.flops import matmul_parameters, mfu, perf_scalars, transformer_flops_per_token
 from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter
 from tests.toy_job import ToyJob
@@ -62,6 +63,18 @@ class TinyDecoder(nn.Module):
 # Per token: 6N = 46,464 and 12 L d T = 12 x 2 x 16 x 8 = 3,072: 49,536 FLOPs.
 VOCAB, D, LAYERS, HEADS, T = 100, 16, 2, 4, 8
 HAND_N, HAND_PER_TOKEN = 7_744, 49_536
+
+
+def count_training_flops(step: Callable[[], None]) -> int:
+    """FLOPs that ``torch.utils.flop_counter.FlopCounterMode`` counts while ``step`` runs (a forward
+    and a backward). Attention goes through the math kernel, whose matmuls it counts (it has no
+    formula for the fused CPU kernel). A check for a job's declared FLOPs; slow for big models."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        step()
+    return counter.get_total_flops()
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -14,6 +14,7 @@ import torch
 from raytpu.config import ConfigError, load_config
 from raytpu.records import goodput
 from raytpu.runtime import make_runtime
+from raytpu.storage.run_folder import RunFolder
 from raytpu.worker import timing
 from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter
@@ -81,9 +82,12 @@ def test_an_attempt_recorded_inside_a_phase_counts_the_phase_up_to_then():
 @pytest.mark.quiet  # the loop's own time, in the input and productive phases, grows on a busy machine
 def test_in_process_delays_land_in_their_categories_and_add_up_to_the_wall_time(tmp_path):
     cfg, job = load_config(None, [*BASE, *DELAYS])
-    started = time.time()
-    Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), tmp_path, tmp_path, FolderReporter(tmp_path)).fit()
-    wall = time.time() - started
+    command, folder = goodput.Command(), RunFolder(tmp_path)  # a command's record, as a driver keeps it
+    goodput.begin(folder, command)
+    runtime = make_runtime("cpu", "fp32", 1, 0, 0)
+    Trainer(cfg, job, runtime, tmp_path, tmp_path, FolderReporter(tmp_path), command=command).fit()
+    goodput.end(folder, command, "completed")
+    wall = time.time() - command.started
     record = breakdown_of(tmp_path)
     assert_delays_land_in_their_categories(record, INJECTED)
     assert record["wall_s"] == pytest.approx(wall, rel=0.02)

@@ -26,8 +26,11 @@ import torch_xla.debug.metrics as met
 
 from raytpu.config import load_config
 from raytpu.driver.runs import resolve_data_root
+from raytpu.hooks import Callback
+from raytpu.records import goodput
 from raytpu.runtime import make_runtime
-from raytpu.worker.loop import Callback, Trainer
+from raytpu.storage.run_folder import RunFolder
+from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter
 
 
@@ -105,11 +108,14 @@ def probe_run(warmup: int, overrides: list[str]) -> dict:
 
     job.train_step = probe_job_step  # on the instance, for this run
     reporter = FolderReporter(run_dir)
-    trainer = Trainer(cfg, job, runtime, run_dir, data_root, reporter, ray_datasets(cfg, job), [probe])
+    command = goodput.Command()  # the record a driver keeps (the profile test reads its compilation)
+    goodput.begin(RunFolder(run_dir), command)
+    trainer = Trainer(cfg, job, runtime, run_dir, data_root, reporter, ray_datasets(cfg, job), [probe], command)
     try:
         trainer.fit()
     finally:
         del job.train_step
+    goodput.end(RunFolder(run_dir), command, "completed")
     steps = probe.seen["steps"].values()
     modules = list(trainer.model.modules())
     return {

@@ -3,7 +3,7 @@
 Words after a config on the command line are ``section.key=value`` overrides (values read as
 YAML), flags a job or a tool accepts as aliases of config keys (``--batch-size 8``), and the
 subcommand's own options (``--address``, ``--search``, ``--no-wait``). :func:`extract` takes a
-command's own options out; :func:`parse_overrides` turns the rest into ``(key, value)`` pairs.
+command's own options out; :func:`read_overrides` turns the rest into :class:`Override` values.
 """
 
 from __future__ import annotations
@@ -107,14 +107,10 @@ class Override:
     typed: str
 
 
-def parse_overrides(items: list[str], aliases: Mapping[str, Alias]) -> list[tuple[str, Any]]:
-    """``["a.b=1", "--batch-size", "8", "--lr=0.1", "--bf16"]`` -> ``[("a.b", 1), ...]``; ``aliases``
-    maps flags and short keys to dotted keys or :class:`Flag` rules."""
-    return [(override.key, override.value) for override in read_overrides(items, aliases)]
-
-
 def read_overrides(items: list[str], aliases: Mapping[str, Alias]) -> list[Override]:
-    """:func:`parse_overrides`, each value with the words that set it."""
+    """``["a.b=1", "--batch-size", "8", "--lr=0.1", "--bf16"]`` -> one :class:`Override` each (``a.b``
+    set to 1, ...), with the words that set it; ``aliases`` maps flags and short keys to dotted keys
+    or :class:`Flag` rules."""
     overrides: list[Override] = []
     index = 0
     while index < len(items):

@@ -110,6 +110,7 @@ class LoopConfig:
     profile_ranks: list[int] = field(default_factory=lambda: [0])  # the ranks that trace them
     grad_norm_warn_high: float = 1e3
     grad_norm_warn_low: float = 1e-7
+    callbacks: list[str] = field(default_factory=list)  # raytpu.hooks.Callback classes by import path
 
 
 @dataclass(frozen=True)

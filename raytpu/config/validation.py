@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 from raytpu.config.batching import BatchPlan
 from raytpu.errors import ConfigError
+from raytpu.hooks import callback_class
 
-if TYPE_CHECKING:  # config.py imports this module
+if TYPE_CHECKING:  # raytpu.config (loading) imports this module
     from raytpu.config import Config
     from raytpu.job import Job
 
@@ -103,6 +104,8 @@ def validate(cfg: Config, job: Job | None = None) -> None:
     if cfg.xla.mesh.data == 0 or cfg.xla.mesh.fsdp == 0 or min(cfg.xla.mesh.data, cfg.xla.mesh.fsdp) < -1:
         raise ConfigError("xla.mesh.data and xla.mesh.fsdp must be at least 1, or -1 for the rest of the devices")
     check_profile(cfg.loop.profile_steps, cfg.loop.profile_ranks, cfg.scaling.num_workers)
+    for name in cfg.loop.callbacks:  # imported here, on the driver: a wrong name fails before any worker
+        callback_class(name)
     if not cfg.data.per_device_train_batch_size:  # else checked once the runtime is known
         BatchPlan.of(cfg)
     if job is not None:

@@ -12,8 +12,6 @@ FLOPs per sample (:meth:`raytpu.job.Job.flops_per_sample`); the runtime knows th
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from torch import nn
 
 
@@ -69,15 +67,3 @@ def perf_scalars(
     if flops_per_sample and peak_flops:
         values["perf/mfu"] = mfu(flops_per_sample, samples_per_s, peak_flops)
     return values
-
-
-def count_training_flops(step: Callable[[], None]) -> int:
-    """FLOPs that ``torch.utils.flop_counter.FlopCounterMode`` counts while ``step`` runs (a forward
-    and a backward). Attention goes through the math kernel, whose matmuls it counts (it has no
-    formula for the fused CPU kernel). A check for a job's declared FLOPs; slow for big models."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        step()
-    return counter.get_total_flops()

@@ -2,10 +2,11 @@
 
 :class:`Trainer` runs one worker's share of a run. It knows neither Ray nor a device: the
 runtime (``raytpu.runtime``) moves tensors, reduces gradients and compiles; the worker data
-(``raytpu.worker.data``) yields batches; the checkpointer (``raytpu.worker.state``) saves and restores;
-the reporter sends reports where the run is watched (Ray Train, or a local folder); callbacks
-(:class:`Callback`) observe. Per step there is exactly one device sync; everything logged is
-read in a step closure, after the step's graph ran, so nothing in the step waits on the host.
+(``raytpu.worker.data``) yields batches; the checkpointer (``raytpu.worker.state``) saves and
+restores; the reporter sends reports where the run is watched (Ray Train, or a local folder);
+callbacks (``raytpu.hooks.Callback``: the config's ``loop.callbacks``, the job's) observe. Per step
+there is exactly one device sync; everything logged is read in a step closure, after the step's
+graph ran, so nothing in the step waits on the host.
 """
 
 from __future__ import annotations
@@ -24,19 +25,20 @@ import numpy as np
 import torch
 
 from raytpu.config import Config, dump_yaml, to_dict
+from raytpu.hooks import Callback, load_callbacks
 from raytpu.job import (
     Batch,
     CountsFlops,
     CountsTokens,
     CustomTest,
     DrawsImages,
+    HasCallbacks,
     Job,
     StepContext,
     WritesText,
     in_warmup,
 )
 from raytpu.records import checkpoints as ckpt
-from raytpu.records import goodput
 from raytpu.records.goodput import Command
 from raytpu.runtime.base import Runtime
 from raytpu.storage.run_folder import RunFolder
@@ -54,27 +56,6 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-class Callback:
-    """Hooks into a running loop, for tests, benchmarks and features that watch a run without
-    reaching into the trainer. Every method is optional; the trainer passes itself, whose public
-    attributes (``progress``, ``model``, ``runtime``, ``cfg``) a callback may read."""
-
-    def on_step_start(self, trainer: Any, step: int) -> None:
-        """Before optimizer step ``step`` (counted from 1) is traced or run."""
-
-    def on_step_end(self, trainer: Any, step: int) -> None:
-        """After step ``step``'s graph ran (and its log closures), before any eval or checkpoint."""
-
-    def on_log(self, trainer: Any, step: int, values: dict[str, float]) -> None:
-        """Every ``loop.log_every`` steps: the values read back from the device (``loss``, ``grad_norm`` ...)."""
-
-    def on_eval(self, trainer: Any, split: str, metrics: dict[str, float]) -> None:
-        """After an evaluation of ``split``, with its metrics reduced over the workers."""
-
-    def on_checkpoint(self, trainer: Any, report: dict[str, Any]) -> None:
-        """After a checkpoint was written and reported, with what the report carried."""
-
-
 class Trainer:
     def __init__(
         self,
@@ -89,13 +70,14 @@ class Trainer:
         command: Command | None = None,
     ) -> None:
         """``datasets``: split -> Ray ``DataIterator``, read when ``data.loader`` is ``ray``.
-        ``command``: the command this attempt belongs to, whose driver keeps the goodput record; an
-        in-process trainer without one is a command of its own (it starts and ends the record)."""
+        ``command``: the command this attempt belongs to, whose driver keeps the goodput record (rank
+        0 adds the attempt's step phases to it); without one, no record is kept."""
         self.cfg, self.job, self.runtime = cfg, job, runtime
         self.folder = RunFolder(run_dir)  # a local folder or a bucket prefix
         self.data_root, self.reporter = data_root, reporter
         self.datasets = datasets or {}
-        self.callbacks = list(callbacks)
+        job_callbacks = job.callbacks(cfg) if isinstance(job, HasCallbacks) else []
+        self.callbacks = [*callbacks, *load_callbacks(cfg.loop.callbacks), *job_callbacks]
         self.progress = Progress()
         self.checkpointer = Checkpointer(runtime, job.name, to_dict(cfg))
         self.logger: RunLogger | None = None  # set by fit(); test mode has none
@@ -113,9 +95,8 @@ class Trainer:
         self.flops_per_sample: float | None = None
         self.tokens_per_sample: int | None = None
         self.peak_flops: float | None = None
-        self.own_command = command is None
-        self.command = command or Command()
-        self.clock = StepClock(self.folder if runtime.is_main else None, self.command, runtime.compile_seconds)
+        recorded = runtime.is_main and command is not None  # rank 0 of a command's run keeps the record
+        self.clock = StepClock(self.folder if recorded else None, command or Command(), runtime.compile_seconds)
         steps, ranks = cfg.loop.profile_steps, cfg.loop.profile_ranks
         traced = bool(steps) and runtime.rank in ranks
         self.profile = ProfileWindow(runtime, self.folder.local("profile"), *steps) if traced else None
@@ -198,24 +179,18 @@ class Trainer:
             self.progress.step,
         )
         self.logger.config(dump_yaml(cfg), self.progress.step)
-        if self.own_command and self.runtime.is_main:
-            goodput.begin(self.folder, self.command)
-        outcome = "failed"
         try:
             if self.progress.step >= self.total_steps:
                 self._message(f"run already complete at step {self.progress.step}; nothing to do")
                 return self._report_final_again()
             metrics = self._train()
             self.clock.record(final=True)
-            outcome = "completed"
             if cfg.logging.hparams:
                 self.logger.hyperparameters(to_dict(cfg), [f"valid/{self.job.main_metric}", "train/loss"])
             return metrics
         finally:
             self.runtime.finish()
             self.logger.close()
-            if self.own_command and self.runtime.is_main:
-                goodput.end(self.folder, self.command, outcome)
 
     def _train(self) -> dict[str, float]:
         p = self.progress
