@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def dispatch(args: argparse.Namespace, started: float) -> int:
     if args.command in ("train", "test"):
-        return run(args, started)
+        return train_or_test_command(args, started)
     if args.command == "data":
         return data_command(args)
     if args.command == "export":
@@ -150,8 +150,8 @@ def dispatch(args: argparse.Namespace, started: float) -> int:
     raise AssertionError(args.command)
 
 
-def run(args: argparse.Namespace, started: float) -> int:
-    from raytpu.driver import runs
+def train_or_test_command(args: argparse.Namespace, started: float) -> int:
+    from raytpu.driver import commands
 
     switches = ["--local", "--verbose"] if args.command == "train" else ["--verbose"]
     overrides, found = extract(list(args.overrides), valued=["--address", "--checkpoint"], switches=switches)
@@ -167,9 +167,9 @@ def run(args: argparse.Namespace, started: float) -> int:
     cfg, job, origins = read_config(args.config, overrides)
     with origins.naming_sources():  # a check on the driver names the file line or flag behind a value
         if cfg.run.mode == "test":
-            print(json.dumps(runs.test(cfg, job, address)), flush=True)
+            print(json.dumps(commands.test(cfg, job, address)), flush=True)
             return 0
-        runs.train(cfg, job, address, local=local, started=started)
+        commands.train(cfg, job, address, local=local, started=started)
     return 0
 
 

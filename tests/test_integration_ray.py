@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from raytpu import cli
 from raytpu.config import load_config, with_values
-from raytpu.driver import runs
+from raytpu.driver import commands
 from raytpu.records import checkpoints as ckpt
 from raytpu.storage import tables as ingest
 from tests.stores import BUCKET
@@ -60,7 +60,7 @@ def scalar_events(run_dir: Path, tag: str) -> list:
 
 def test_mshnet_trains_on_two_workers_and_tests(ray_session, tmp_path, capsys):
     cfg, job = configure(tmp_path, "two-workers", "loop.epochs=4", "job.warm_epoch=-1")
-    summary = runs.train(cfg, job)
+    summary = commands.train(cfg, job)
     run_dir = Path(summary.run_dir)
     assert (run_dir / "config.yaml").is_file()
     assert Path(summary.best_checkpoint, "model.safetensors").is_file()
@@ -78,7 +78,7 @@ def test_mshnet_trains_on_two_workers_and_tests(ray_session, tmp_path, capsys):
     cfg = with_values(
         cfg, {"data.path": str(tmp_path / "pq"), "data.loader": "ray", "checkpoint.weights": summary.latest_checkpoint}
     )
-    metrics = runs.test(cfg, job)
+    metrics = commands.test(cfg, job)
     for name in ("mIoU", "nIoU", "Pd", "Fa"):
         assert metrics[f"test/{name}"] == pytest.approx(summary.metrics[f"valid/{name}"], rel=1e-6, abs=1e-9)
 
@@ -105,7 +105,7 @@ def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(r
     )
     job.synthesize(tmp_path / "cdeit", **job.synth_options(cfg))  # not ./data/cdeit of the checkout
     assert cli.main(["data", "prepare", "cdeit", "--src", str(tmp_path / "cdeit"), "--out", tables]) == 0
-    summary = runs.train(cfg, job)
+    summary = commands.train(cfg, job)
     assert "reading cdeit's parquet tables through Ray Data (data.loader=ray)" in capsys.readouterr().out
     assert Path(summary.best_checkpoint, "ema.safetensors").is_file()
     latest = ckpt.read_meta(Path(summary.latest_checkpoint))
@@ -115,5 +115,5 @@ def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(r
 
     torch_path = {"data.path": str(tmp_path / "cdeit"), "data.loader": "torch"}  # test mode through the torch path
     cfg = with_values(cfg, {**torch_path, "checkpoint.weights": summary.best_checkpoint})
-    metrics = runs.test(cfg, job)
+    metrics = commands.test(cfg, job)
     assert metrics["test/images"] == 8 and metrics["test/rmse"] > 0 and metrics["test/psnr"] > 0

@@ -100,6 +100,23 @@ def test_one_module_reports_to_ray_train_and_reads_its_checkpoints():
         assert callers == ["worker/reporting.py"], (name, callers)
 
 
+def test_one_function_makes_every_plan_and_nothing_rewrites_one():
+    """A plan (``config/plan.py``'s ``Plan``) is made by ``make_plan`` alone; no module replaces a
+    field of a plan or of its config afterwards (a changed plan is ``plan.remade``, by make_plan)."""
+    makers, rewrites = [], []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            called = ast.unparse(node.func)
+            if called in ("Plan", "plan.Plan"):
+                makers.append(str(path.relative_to(PACKAGE)))
+            if called.endswith("replace") and node.args and "plan" in ast.unparse(node.args[0]).lower():
+                rewrites.append(f"{path.relative_to(PACKAGE)}: {ast.unparse(node)}")
+    assert makers == ["config/plan.py"] and calls_of(PACKAGE / "config/plan.py", "Plan") == 1, makers
+    assert not rewrites, rewrites
+
+
 def side(module: str) -> str:
     """``raytpu.worker.loop`` -> ``worker``; a top-level module (``raytpu.job``) -> ``raytpu``."""
     parts = module.split(".")

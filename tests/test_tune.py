@@ -189,14 +189,14 @@ def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_sessi
     """An lr=1e-12 trial's training loss is its initial model's loss; the trained trials (grid
     order: they run first, 2 at a time) recorded lower losses at the first rung, so ASHA
     must stop both untrained trials there, whatever order the rest of the sweep takes."""
-    from raytpu.driver import runs
-    from raytpu.driver.tune import run
+    from raytpu.driver import commands
+    from raytpu.driver.tune import sweep
 
     flags = ["--search", "optim.lr=grid(0.05, 0.03, 1e-12, 1e-12)", "--samples", "1", "--metric", "train/loss"]
     flags += ["--mode", "min", "--max-concurrent", "2", "--grace-period", "1", "--name", "asha"]
     rest, tuned, _ = split_flags(TINY + [f"data.path={mshnet_data}", f"run.storage_path={tmp_path}", *flags])
     cfg, job = load_config(SMALL, rest + tuned)
-    summary = run(cfg, job)
+    summary = sweep(cfg, job)
 
     rows = read_rows(tmp_path / "asha" / "results.csv")
     assert len(rows) == 4
@@ -219,7 +219,7 @@ def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_sessi
     cfg_best, job_best = load_config(best, [f"run.storage_path={tmp_path / 'best'}", "loop.epochs=1"])
     assert cfg_best.optim.lr in (0.05, 0.03) and cfg_best.scaling.runtime == "auto"
     assert Path(cfg_best.data.path) == mshnet_data
-    trained = runs.train(cfg_best, job_best, local=True)  # runnable by raytpu train (the loop of a Ray run)
+    trained = commands.train(cfg_best, job_best, local=True)  # runnable by raytpu train (the loop of a Ray run)
     assert trained.best_checkpoint and Path(trained.best_checkpoint, "model.safetensors").is_file()
 
 

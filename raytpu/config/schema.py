@@ -13,7 +13,7 @@ from raytpu.job import JobConfig
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunSettings:
     name: str = ""
     storage_path: str = "./results"
     seed: int = 0
@@ -21,35 +21,35 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
-class TPUConfig:
+class TPUSettings:
     accelerator_type: str = ""  # e.g. TPU-V5LITEPOD, TPU-V4, TPU-V6E
     topology: str = ""  # e.g. 2x4
     layout: str = "spmd"  # spmd | multiprocess
 
 
 @dataclass(frozen=True)
-class ScalingConfig:
+class ScalingSettings:
     runtime: str = "auto"  # auto | cpu | cuda | xla
     num_workers: int = 1
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     cpus_per_worker: float = 1.0
     resources_per_worker: dict[str, float] = field(default_factory=dict)
-    tpu: TPUConfig = field(default_factory=TPUConfig)
+    tpu: TPUSettings = field(default_factory=TPUSettings)
     # how long a run waits for an autoscaler to start the nodes its workers need (Ray's autoscaler
     # gives a node 15 minutes to start: AUTOSCALER_NODE_START_WAIT_S)
     node_start_timeout_s: float = 900.0
 
 
 @dataclass(frozen=True)
-class MeshConfig:
+class MeshSettings:
     data: int = -1
     fsdp: int = 1
 
 
 @dataclass(frozen=True)
-class XLAConfig:
+class XLASettings:
     spmd: bool = False
-    mesh: MeshConfig = field(default_factory=MeshConfig)
+    mesh: MeshSettings = field(default_factory=MeshSettings)
     compile_cache: str = ""  # "" = <run dir>/xla_cache; "none" disables it
     strict_recompile: bool = False
     debug_metrics: bool = False
@@ -59,7 +59,7 @@ class XLAConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataSettings:
     path: str = ""
     synthesize_if_missing: bool = False
     global_batch_size: int = 8
@@ -76,7 +76,7 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class OptimConfig:
+class OptimSettings:
     name: str = "adamw"  # adafactor | adagrad | adam | adamw | sgd
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -90,7 +90,7 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
-class LoopConfig:
+class LoopSettings:
     epochs: int = 1
     max_steps: int = 0  # 0 = epochs * steps per epoch
     grad_accum: int = 1
@@ -114,7 +114,7 @@ class LoopConfig:
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
+class CheckpointSettings:
     every_steps: int = 0  # 0 = at the end of every epoch
     num_to_keep: int = 2
     resume: bool = True  # continue from the run's latest checkpoint when there is one
@@ -123,7 +123,7 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
-class LoggingConfig:
+class LoggingSettings:
     tensorboard: bool = True
     progress_bar: bool = True
     eval_images: int = 4  # images per eval written to TensorBoard (0 = none)
@@ -132,7 +132,7 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
-class TuneConfig:
+class TuneSettings:
     """``raytpu tune``: what to search and how (the CLI flags set the same keys)."""
 
     search: dict[str, str] = field(default_factory=dict)  # key -> "loguniform(1e-4, 1e-1)"
@@ -152,12 +152,12 @@ class TuneConfig:
 @dataclass(frozen=True)
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    scaling: ScalingConfig = field(default_factory=ScalingConfig)
-    xla: XLAConfig = field(default_factory=XLAConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    loop: LoopConfig = field(default_factory=LoopConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    tune: TuneConfig = field(default_factory=TuneConfig)
+    run: RunSettings = field(default_factory=RunSettings)
+    scaling: ScalingSettings = field(default_factory=ScalingSettings)
+    xla: XLASettings = field(default_factory=XLASettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    loop: LoopSettings = field(default_factory=LoopSettings)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
+    tune: TuneSettings = field(default_factory=TuneSettings)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raytpu.config import CheckpointConfig, Config, RunConfig, ScalingConfig, build_dataclass, with_values
+from raytpu.config import CheckpointSettings, Config, RunSettings, ScalingSettings, build_dataclass, with_values
 from raytpu.config.loading import profile_window
 from raytpu.config.plan import Facts, Plan, ScriptPlan, anchored, make_plan
 from raytpu.config.validation import check_number, check_profile
@@ -73,11 +73,11 @@ class LaunchSettings:
     gradient_accumulation_steps: int = 1
 
     @property
-    def scaling(self) -> ScalingConfig:
+    def scaling(self) -> ScalingSettings:
         return self.config.scaling
 
     @property
-    def run(self) -> RunConfig:
+    def run(self) -> RunSettings:
         return self.config.run
 
 
@@ -96,9 +96,9 @@ def settings_from(args: Any) -> LaunchSettings:
     """The parsed ``raytpu launch`` arguments (and ``--config``'s sections), checked."""
     sections = read_sections(args.config) if args.config else {}
     cfg = Config(
-        scaling=build_dataclass(ScalingConfig, sections.get("scaling"), "scaling."),
-        run=build_dataclass(RunConfig, sections.get("run"), "run."),
-        checkpoint=build_dataclass(CheckpointConfig, sections.get("checkpoint"), "checkpoint."),
+        scaling=build_dataclass(ScalingSettings, sections.get("scaling"), "scaling."),
+        run=build_dataclass(RunSettings, sections.get("run"), "run."),
+        checkpoint=build_dataclass(CheckpointSettings, sections.get("checkpoint"), "checkpoint."),
     )
     values = {key: getattr(args, flag) for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
     if args.tpu_accelerator_type:  # Accelerate has no SPMD mode: one process per chip
@@ -165,7 +165,7 @@ def main(args: Any, address: str | None, started: float | None = None) -> int:
             plan = plan_launch(settings, address, marks, command)
             folder = RunFolder(plan.run_dir)
             goodput.begin(folder, command)
-            code = run(plan, marks)
+            code = launch_on_ray(plan, marks)
             outcome = "completed" if code == 0 else "failed"
         return code
     finally:
@@ -216,7 +216,7 @@ def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, 
     return plan
 
 
-def run(plan: Plan, marks: dict[str, float]) -> int:
+def launch_on_ray(plan: Plan, marks: dict[str, float]) -> int:
     """The launch's ``TorchTrainer`` to the end; the script's exit status (its own error: one line).
     ``marks`` gets when the trainer was started and when it returned."""
     import ray

@@ -174,13 +174,13 @@ def fit(trainer: Any) -> Any:
     ``raytpu launch``), Ctrl-C interrupts the command, which stops the Ray instance it started."""
     outcome: dict[str, Any] = {}
 
-    def run() -> None:
+    def fit() -> None:
         try:
             outcome["result"] = trainer.fit()
         except BaseException as exc:  # raised again in the waiting thread
             outcome["error"] = exc
 
-    thread = threading.Thread(target=run, name="raytpu-fit", daemon=True)
+    thread = threading.Thread(target=fit, name="raytpu-fit", daemon=True)
     thread.start()
     while thread.is_alive():
         thread.join(0.5)

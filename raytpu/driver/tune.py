@@ -24,7 +24,7 @@ from ray.tune import Callback
 
 from raytpu.cluster.capacity import read_offer
 from raytpu.cluster.connect import joined_here, ray_for_this_command
-from raytpu.config import Config, ConfigError, TuneConfig, dump_yaml, load_config, with_values
+from raytpu.config import Config, ConfigError, TuneSettings, dump_yaml, load_config, with_values
 from raytpu.config.args import extract
 from raytpu.config.plan import Plan, storage_of
 from raytpu.driver.ray_trainer import ray_storage, wait_for_workers, worker_bundles
@@ -216,7 +216,7 @@ class TableCallback(Callback):
 
 
 # -------------------------------------------------------------------- run
-def run(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
+def sweep(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
     """Run (or resume) the sweep; write the table, ``results.csv`` and ``best.yaml``."""
     from ray import tune
 
@@ -320,7 +320,7 @@ def csv_text(rows: list[dict[str, Any]], columns: list[str]) -> str:
 def write_best_config(sweep: Sweep, values: dict[str, Any]) -> str:
     """A YAML that ``raytpu train`` runs as the best trial ran (same values, seed and scaled lr)."""
     cfg = with_values(trial_config(sweep.cfg, values), {"run.name": f"{sweep.name}-best", "data.path": sweep.data_root})
-    cfg = dataclasses.replace(cfg, tune=TuneConfig())  # runtime and the rest as asked: best.yaml stays portable
+    cfg = dataclasses.replace(cfg, tune=TuneSettings())  # runtime and the rest as asked: best.yaml stays portable
     header = f"# best trial of sweep {sweep.name} on {sweep.metric} ({sweep.mode}): {values}\n"
     folder = RunFolder(sweep.dir)
     folder.write_text("best.yaml", header + dump_yaml(cfg))
@@ -360,7 +360,7 @@ def main(config_path: str, overrides: list[str]) -> int:
     rest, tuned, address = split_flags(overrides)
     cfg, job = load_config(config_path, rest + tuned)
     with ray_for_this_command():
-        summary = run(cfg, job, address)
+        summary = sweep(cfg, job, address)
     return 0 if summary.get("best_config") else 1
 
 

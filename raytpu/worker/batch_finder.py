@@ -74,17 +74,17 @@ def as_out_of_memory(exc: BaseException) -> BaseException:
 # ----------------------------------------------------------------- record
 
 
-def agree(plan: BatchPlan, failed_at: int, world_size: int) -> tuple[BatchPlan, int]:
+def agree(batch: BatchPlan, failed_at: int, world_size: int) -> tuple[BatchPlan, int]:
     """The smallest per-device batch any rank knows of (a run folder that is not shared between
     hosts holds a record only where a rank ran out of memory)."""
     import torch.distributed as dist
 
     if world_size == 1 or not dist.is_initialized():
-        return plan, failed_at
+        return batch, failed_at
     gathered: list[tuple[int, int]] = [(0, 0)] * world_size
-    dist.all_gather_object(gathered, (plan.grad_accum, failed_at))
+    dist.all_gather_object(gathered, (batch.grad_accum, failed_at))
     grad_accum, failed_at = max(gathered)
-    return replace(plan, grad_accum=grad_accum), failed_at
+    return replace(batch, grad_accum=grad_accum), failed_at
 
 
 # ----------------------------------------------------------------- finder
@@ -110,7 +110,7 @@ class BatchFinder:
             values["data.per_device_train_batch_size"] = self.plan.per_device(self.devices)
         return self.base.remade(values).config
 
-    def run(self, fit: Callable[[Config], T]) -> T:
+    def find(self, fit: Callable[[Config], T]) -> T:
         from accelerate.utils import find_executable_batch_size  # after the runtime set USE_TORCH_XLA
 
         def attempt(per_device: int) -> T:
@@ -163,4 +163,4 @@ def fit_finding_batch(plan: Plan, runtime: Runtime, run_dir: RunFolder, fit: Cal
     """``fit(plan.config)``, through the batch finder when ``loop.auto_find_batch_size`` is on."""
     if not plan.config.loop.auto_find_batch_size:
         return fit(plan.config)
-    return BatchFinder(plan, runtime, run_dir).run(fit)
+    return BatchFinder(plan, runtime, run_dir).find(fit)

@@ -43,7 +43,7 @@ class Seat:
     local_rank: int
 
 
-def run(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | None = None) -> None:
+def work(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | None = None) -> None:
     """What every worker does: the user's script (``raytpu launch``), or the loop: training (with the
     batch finder when asked) or a test whose metrics rank 0 reports as a file."""
     if plan.mode == "launch":
@@ -101,7 +101,7 @@ def ray_entry(plan_values: dict[str, Any]) -> None:
         configure_chip_process(cfg, seat.rank)
     reporter = RayReporter(plan.run_dir, seat.rank, seat.world, plan.facts.stop)
     try:
-        run(plan, seat, reporter, {name: ray.train.get_dataset_shard(name) for name in plan.datasets})
+        work(plan, seat, reporter, {name: ray.train.get_dataset_shard(name) for name in plan.datasets})
     except Exception:  # the driver prints the traceback once, then its one line
         raise WorkerFailed(traceback.format_exc().rstrip()) from None
 
@@ -156,7 +156,7 @@ def local_entry(plan_path: str) -> None:
     keep, mode = cfg.checkpoint.num_to_keep, plan.facts.main_metric_mode
     reporter = FolderReporter(Path(plan.run_dir), keep, mode, rank, world, plan.facts.stop)
     try:
-        run(plan, seat, reporter)
+        work(plan, seat, reporter)
     except BatchReduced as exc:  # the driver restarts every rank; the others may be mid-collective
         print(f"raytpu: {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from raytpu.config import ConfigError, LoopConfig, OptimConfig
+from raytpu.config import ConfigError, LoopSettings, OptimSettings
 from raytpu.config.training_args import warmup_steps
 
 
-def build_optimizer(cfg: OptimConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+def build_optimizer(cfg: OptimSettings, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     params = list(params)
     if cfg.name == "adafactor":
         try:
@@ -33,7 +33,7 @@ def build_optimizer(cfg: OptimConfig, params: Iterable[nn.Parameter]) -> torch.o
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
-def lr_factor(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
+def lr_factor(cfg: OptimSettings, total_steps: int) -> Callable[[int], float]:
     """Multiplier of the base lr at a step: linear warm-up, then the schedule's shape."""
 
     warmup = warmup_steps(cfg.warmup_steps, cfg.warmup_ratio, total_steps)
@@ -56,7 +56,7 @@ def lr_factor(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
 
 
 def build_scheduler(
-    cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int
+    cfg: OptimSettings, optimizer: torch.optim.Optimizer, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, total_steps))
 
@@ -79,7 +79,7 @@ class EMASchedule:
     power: float = 2 / 3
 
     @classmethod
-    def from_loop(cls, loop: LoopConfig) -> EMASchedule:
+    def from_loop(cls, loop: LoopSettings) -> EMASchedule:
         return cls(loop.ema_beta, loop.ema_every, loop.ema_update_after, loop.ema_warmup, loop.ema_power)
 
     def decay(self, step: int) -> float:

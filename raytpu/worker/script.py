@@ -60,7 +60,7 @@ def report(metrics: dict[str, Any]) -> None:
 
 
 def run_script_worker(plan: Plan, seat: Any, reporter: Reporter) -> None:
-    """One worker of ``raytpu launch`` (``raytpu.worker.entry.run``): the script, its output,
+    """One worker of ``raytpu launch`` (``raytpu.worker.entry.work``): the script, its output,
     checkpoints and outcome."""
     import ray
 
