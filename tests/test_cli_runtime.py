@@ -86,7 +86,7 @@ def test_a_missing_data_path_is_made_there_or_falls_back_to_data_job(tmp_path, m
     """data.path missing: with synthesize_if_missing the set is made at that path (for this run's
     seed), even when ./data/<job> holds another set; without it ./data/<job> is used, with a warning."""
     from raytpu.config import load_config
-    from raytpu.driver.runs import resolve_data_root
+    from raytpu.driver.preflight import resolve_data_root
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data" / "tests.toy_job").mkdir(parents=True)

@@ -11,7 +11,7 @@ import torch
 
 from raytpu import cli
 from raytpu.config import ConfigError, load_config
-from raytpu.driver import commands
+from raytpu.driver import preflight
 from raytpu.driver.ray_trainer import materialize_train
 from raytpu.job import load_job, table_for
 from raytpu.storage import tables as ingest
@@ -128,7 +128,7 @@ def test_decoded_batches_equal_the_torch_dataset_items(native, tmp_path, split):
 def test_ray_loader_without_prepared_tables_says_to_prepare(tmp_path):
     cfg, job = load_config("jobs/mshnet/small.yaml", ["data.loader=ray", f"data.path={tmp_path}"])
     with pytest.raises(ConfigError, match=rf"run `raytpu data prepare mshnet --src .* --out {tmp_path}`"):
-        commands.resolve_data_root(cfg, job)
+        preflight.resolve_data_root(cfg, job)
 
 
 def test_cli_prepare(tmp_path, capsys):

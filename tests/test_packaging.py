@@ -56,7 +56,7 @@ def test_the_wheel_installs_one_top_level_package_with_the_jobs_and_their_config
 
 def test_raytpu_and_its_help_need_only_the_core_dependencies():
     done = core_python(
-        "import raytpu, raytpu.cli, raytpu.config, raytpu.driver.runs, raytpu.worker.loop\n"
+        "import raytpu, raytpu.cli, raytpu.config, raytpu.driver.commands, raytpu.worker.loop\n"
         "try:\n    raytpu.cli.main(['--help'])\nexcept SystemExit as exit_:\n    print('exit', exit_.code)\n"
     )
     assert done.returncode == 0, done.stderr[-2000:]

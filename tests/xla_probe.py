@@ -25,7 +25,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 from raytpu.config import load_config
-from raytpu.driver.runs import resolve_data_root
+from raytpu.driver.preflight import resolve_data_root
 from raytpu.hooks import Callback
 from raytpu.records import goodput
 from raytpu.runtime import make_runtime

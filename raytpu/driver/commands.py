@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,19 +26,18 @@ from typing import Any
 from raytpu.cluster.capacity import read_offer
 from raytpu.cluster.connect import (
     STARTED_HERE,
-    check_reachable,
     connect,
     joined,
     joined_here,
     leave,
     ray_for_this_command,
 )
-from raytpu.config import Config, ConfigError, dump_yaml
+from raytpu.config import Config, dump_yaml
 from raytpu.config.plan import Facts, Plan, anchored, make_plan
 from raytpu.driver import preflight
 from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunFailed, RunStopped
-from raytpu.job import Job, Synthesizes
+from raytpu.job import Job
 from raytpu.records import devices, goodput
 from raytpu.records.batches import recorded_text
 from raytpu.records.goodput import Command
@@ -95,44 +93,6 @@ def summary_of(run_dir: str, reported: list[tuple[str, dict[str, Any]]], mode: s
     )
 
 
-# ------------------------------------------------------------------ data
-def resolve_data_root(cfg: Config, job: Job, synthesize: bool | None = None) -> Path:
-    """``data.path`` if it exists, else ``./data/<job>`` (with a warning), else synthesize it when
-    ``synthesize`` (None: when ``data.synthesize_if_missing``), else one error naming both.
-    data.loader=ray: the prepared tables' folder (never synthesized)."""
-    if cfg.data.loader == "ray":
-        from raytpu.storage.tables import open_prepared
-
-        prepared = open_prepared(cfg.data.path, job.name)
-        return Path(prepared.base) if "://" not in cfg.data.path else Path(cfg.data.path)
-    fallback = Path("data") / job.name
-    given = Path(cfg.data.path) if cfg.data.path else None
-    if given is not None and given.exists():
-        return given.resolve()
-    allowed = cfg.data.synthesize_if_missing if synthesize is None else synthesize
-    make = allowed and isinstance(job, Synthesizes)
-    if make and given is not None:  # the set asked for, made with this run's seed: not another one
-        return synthesize_data(cfg, job, given)
-    if fallback.exists() and given != fallback:
-        if given is not None:
-            warnings.warn(f"data.path {str(given)!r} does not exist; using {str(fallback)!r}", stacklevel=2)
-        return fallback.resolve()
-    if make:
-        return synthesize_data(cfg, job, fallback)
-    named = f"{str(given)!r} nor " if given is not None else ""
-    hint = f"make a synthetic set with `raytpu data synth {job.name} --out {given or fallback}`"
-    raise ConfigError(
-        f"no data: neither {named}{str(fallback)!r} exists; pass --data-path DIR"
-        + (f", or {hint}" if isinstance(job, Synthesizes) else "")
-    )
-
-
-def synthesize_data(cfg: Config, job: Synthesizes, target: Path) -> Path:
-    print(f"raytpu: data not found; synthesizing a small {cfg.job.name} data set in {target}", flush=True)
-    job.synthesize(target, **job.synth_options(cfg))
-    return target.resolve()
-
-
 # ------------------------------------------------------------------ the plan
 def plan_run(
     cfg: Config,
@@ -145,20 +105,7 @@ def plan_run(
 ) -> Plan:
     """Every check, what the cluster offers, then the plan (:func:`~raytpu.config.plan.make_plan`)
     of a ``train`` or ``test`` run (and, once per sweep, of ``tune``), and the lines that say it."""
-    if local and address:
-        raise ConfigError("--local runs without Ray: drop --address (or drop --local to use the cluster)")
-    if mode == "test" and not cfg.checkpoint.weights:
-        raise ConfigError(
-            "test mode needs weights: pass --checkpoint PATH (or --weight-path / checkpoint.weights=PATH)"
-        )
-    if local:
-        preflight.check_local(cfg)
-    else:
-        check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
-    preflight.check_storage(cfg)
-    preflight.check_weights(cfg)
-    data_root = resolve_data_root(cfg, job, synthesize=None if mode == "train" else False)
-    sizes = preflight.check_data(cfg, job, data_root, mode)
+    data_root, sizes = preflight.check_run(cfg, job, mode, address, local)
     if local:
         offer, where = local_offer(), "local processes"
     else:
@@ -180,21 +127,9 @@ def plan_run(
         stop=stop,
     )
     plan = make_plan(anchored(cfg), facts)
-    check_placement(plan)
+    preflight.check_placement(plan)
     say(plan)
     return plan
-
-
-def check_placement(plan: Plan) -> None:
-    """The plan's workers against what the cluster (or this machine) has and can start."""
-    cfg, offer = plan.config, plan.facts.offer
-    preflight.check_sharded_workers(cfg, cfg.scaling.runtime, {k: float(offer.offers(k)) for k in ("TPU", "GPU")})
-    if plan.facts.local:
-        preflight.check_local_accelerators(plan.placement, offer)
-        return
-    from raytpu.driver.ray_trainer import worker_bundles
-
-    preflight.check_fit(worker_bundles(cfg), f"{cfg.scaling.num_workers} {cfg.scaling.runtime} worker(s)", offer)
 
 
 def say(plan: Plan) -> None:

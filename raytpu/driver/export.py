@@ -13,7 +13,7 @@ from raytpu.records import checkpoints as ckpt
 def export(cfg: Config, job: Job, checkpoint: str, out: str) -> Path:
     """Build the job's model, load ``checkpoint`` (its EMA weights when it has them) and let the job
     write it to ``out``; the data root holds what travels with the model (a tokenizer)."""
-    from raytpu.driver.runs import resolve_data_root
+    from raytpu.driver.preflight import resolve_data_root
 
     if not isinstance(job, Exports):
         raise ConfigError(f"job {job.name!r} has no export format: its checkpoints' model.safetensors are the weights")

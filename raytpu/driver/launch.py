@@ -180,7 +180,8 @@ def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, 
     from raytpu.cluster.capacity import read_offer
     from raytpu.cluster.connect import check_reachable, connect, joined, joined_here
     from raytpu.driver import preflight
-    from raytpu.driver.runs import check_placement, print_notes
+    from raytpu.driver.commands import print_notes
+    from raytpu.driver.preflight import check_placement
 
     preflight.check_storage(settings.config)
     cfg = anchored(settings.config)

@@ -9,17 +9,21 @@ announced as a wait, with what it waits for.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from raytpu.cluster.connect import check_reachable
 from raytpu.config import Config, ConfigError
+from raytpu.config.plan import Plan
 from raytpu.errors import RunFailed
-from raytpu.job import Job
+from raytpu.job import Job, Synthesizes
 from raytpu.records import checkpoints as ckpt
 from raytpu.runtime.placement import Bundle, ClusterOffer, Fit, Placement, judge_fit
 from raytpu.storage.filesystems import check_location, diagnose, filesystem, is_remote
@@ -29,6 +33,25 @@ BUCKET_TIMEOUT_S = 30.0
 
 
 # ---------------------------------------------------------------------- files
+def check_run(cfg: Config, job: Job, mode: str, address: str | None, local: bool) -> tuple[Path, dict[str, int]]:
+    """Every check that needs no cluster, in the order a user fixes them; the data root and the
+    size of each split the run reads."""
+    if local and address:
+        raise ConfigError("--local runs without Ray: drop --address (or drop --local to use the cluster)")
+    if mode == "test" and not cfg.checkpoint.weights:
+        raise ConfigError(
+            "test mode needs weights: pass --checkpoint PATH (or --weight-path / checkpoint.weights=PATH)"
+        )
+    if local:
+        check_local(cfg)
+    else:
+        check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
+    check_storage(cfg)
+    check_weights(cfg)
+    data_root = resolve_data_root(cfg, job, synthesize=None if mode == "train" else False)
+    return data_root, check_data(cfg, job, data_root, mode)
+
+
 def check_storage(cfg: Config) -> None:
     """``run.storage_path``: a folder that can be made and written, or a bucket that takes a small
     write (checked from a subprocess with a time limit: a store that does not answer, or a client
@@ -179,6 +202,44 @@ def check_sharded_workers(cfg: Config, runtime: str, accelerators: dict[str, flo
     )
 
 
+# ------------------------------------------------------------------ data
+def resolve_data_root(cfg: Config, job: Job, synthesize: bool | None = None) -> Path:
+    """``data.path`` if it exists, else ``./data/<job>`` (with a warning), else synthesize it when
+    ``synthesize`` (None: when ``data.synthesize_if_missing``), else one error naming both.
+    data.loader=ray: the prepared tables' folder (never synthesized)."""
+    if cfg.data.loader == "ray":
+        from raytpu.storage.tables import open_prepared
+
+        prepared = open_prepared(cfg.data.path, job.name)
+        return Path(prepared.base) if "://" not in cfg.data.path else Path(cfg.data.path)
+    fallback = Path("data") / job.name
+    given = Path(cfg.data.path) if cfg.data.path else None
+    if given is not None and given.exists():
+        return given.resolve()
+    allowed = cfg.data.synthesize_if_missing if synthesize is None else synthesize
+    make = allowed and isinstance(job, Synthesizes)
+    if make and given is not None:  # the set asked for, made with this run's seed: not another one
+        return synthesize_data(cfg, job, given)
+    if fallback.exists() and given != fallback:
+        if given is not None:
+            warnings.warn(f"data.path {str(given)!r} does not exist; using {str(fallback)!r}", stacklevel=2)
+        return fallback.resolve()
+    if make:
+        return synthesize_data(cfg, job, fallback)
+    named = f"{str(given)!r} nor " if given is not None else ""
+    hint = f"make a synthetic set with `raytpu data synth {job.name} --out {given or fallback}`"
+    raise ConfigError(
+        f"no data: neither {named}{str(fallback)!r} exists; pass --data-path DIR"
+        + (f", or {hint}" if isinstance(job, Synthesizes) else "")
+    )
+
+
+def synthesize_data(cfg: Config, job: Synthesizes, target: Path) -> Path:
+    print(f"raytpu: data not found; synthesizing a small {cfg.job.name} data set in {target}", flush=True)
+    job.synthesize(target, **job.synth_options(cfg))
+    return target.resolve()
+
+
 # ------------------------------------------------------------------ resources
 def check_fit(bundles: Sequence[Bundle], what: str, offer: ClusterOffer) -> Fit:
     """Refuse a demand the cluster can never meet (one line naming what it has and can start, and
@@ -189,3 +250,15 @@ def check_fit(bundles: Sequence[Bundle], what: str, offer: ClusterOffer) -> Fit:
     if result.verdict == "busy":
         print(f"raytpu: {result.message}", flush=True)
     return result
+
+
+def check_placement(plan: Plan) -> None:
+    """The plan's workers against what the cluster (or this machine) has and can start."""
+    cfg, offer = plan.config, plan.facts.offer
+    check_sharded_workers(cfg, cfg.scaling.runtime, {k: float(offer.offers(k)) for k in ("TPU", "GPU")})
+    if plan.facts.local:
+        check_local_accelerators(plan.placement, offer)
+        return
+    from raytpu.driver.ray_trainer import worker_bundles
+
+    check_fit(worker_bundles(cfg), f"{cfg.scaling.num_workers} {cfg.scaling.runtime} worker(s)", offer)

@@ -84,8 +84,8 @@ def run_trial(values: dict[str, Any], sweep_plan: dict[str, Any], runs_dir: str)
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    from raytpu.driver.commands import stage
     from raytpu.driver.ray_trainer import build_trainer
-    from raytpu.driver.runs import stage
 
     command = Command()  # the trial: its goodput counts from its own start
     trial_id = tune.get_context().get_trial_id()
@@ -220,7 +220,7 @@ def sweep(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
     """Run (or resume) the sweep; write the table, ``results.csv`` and ``best.yaml``."""
     from ray import tune
 
-    from raytpu.driver.runs import plan_run
+    from raytpu.driver.commands import plan_run
 
     searches = searches_of(cfg)
     plan = plan_run(cfg, job, "train", address)
