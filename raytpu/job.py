@@ -90,9 +90,10 @@ class Job:
     def build_dataset(self, cfg: Config, split: str, data_root: Path) -> Dataset:
         """Map-style dataset for ``split`` in ``{"train", "valid", "test"}``.
 
-        Items are dicts of tensors with fixed shapes per split. If the dataset
-        has ``set_epoch(epoch)``, the loop calls it before every epoch so that
-        augmentation can be a pure function of (seed, epoch, index).
+        Items are dicts of tensors with fixed shapes per split. If the train set
+        has ``set_epoch(epoch)``, it is called before the epoch's first item in
+        whichever process reads it (a DataLoader worker keeps its own copy for the
+        whole run), so that augmentation can be a pure function of (seed, epoch, index).
         """
         raise NotImplementedError
 

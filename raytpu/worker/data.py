@@ -2,12 +2,13 @@
 
 :class:`WorkerData` is what the loop reads: how many batches an epoch has, an epoch's batches
 (from a resume position), the eval batches of a split, and one sample (its shapes size the XLA
-input sharding). :class:`TorchData` serves a job's map-style Datasets through a
-``DistributedSampler``. :class:`RayData` serves Ray Data (``data.loader: ray``): the worker's train
-shard, one pass per epoch through ``iter_torch_batches`` (per-worker batch, ``drop_last``, prefetch,
-a seeded local shuffle) with the job's ``batch_decoder`` decoding and augmenting in Ray Data's
-prefetch threads (the epoch known, so augmentation equals the torch path's), and the eval sets read
-whole, each worker keeping the rows ``id % workers == rank``; writing and reading the tables is
+input sharding). :class:`TorchData` serves a job's map-style Datasets through DataLoaders whose
+worker processes last the whole run, a ``DistributedSampler`` sharding the train split.
+:class:`RayData` serves Ray Data (``data.loader: ray``): the worker's train shard, one pass per
+epoch through ``iter_torch_batches`` (per-worker batch, ``drop_last``, prefetch, a seeded local
+shuffle) with the job's ``batch_decoder`` decoding and augmenting in Ray Data's prefetch threads
+(the epoch known, so augmentation equals the torch path's), and the eval sets read whole, each
+worker keeping the rows ``id % workers == rank``; writing and reading the tables is
 ``raytpu.storage.tables``. A third ingest path is a new class here, never a branch in the loop.
 """
 
@@ -54,34 +55,57 @@ def worker_batch(cfg: Config, runtime: Runtime) -> int:
     return plan.per_worker
 
 
-class ResumableSampler(DistributedSampler):
-    """A DistributedSampler that can start an epoch part-way (for mid-epoch resume)."""
+class EpochSampler(DistributedSampler):
+    """The train split's sampler: a ``DistributedSampler`` that yields ``(epoch, index)``, so that
+    each loader worker process, kept across epochs, moves its own copy of the dataset to the epoch
+    (:class:`AtEpoch`); it can start an epoch part-way (mid-epoch resume)."""
 
     _skip = 0
 
     def skip(self, count: int) -> None:
         self._skip = count
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
         indices = list(super().__iter__())[self._skip :]
         self._skip = 0
-        return iter(indices)
+        return iter([(self.epoch, index) for index in indices])
 
     def __len__(self) -> int:
         return self.num_samples
 
 
+class AtEpoch(Dataset):
+    """The job's train set read by ``(epoch, index)``: ``set_epoch`` (where the set has it) is called
+    in the process that reads, loader worker or main, before the first item of each epoch."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset, self.epoch = dataset, -1
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Batch:
+        epoch, index = key
+        if epoch != self.epoch and hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+        self.epoch = epoch
+        return self.dataset[index]
+
+
 class TorchData:
-    """The job's map-style Datasets: a ``DistributedSampler`` shards and shuffles the train split
-    (``set_epoch`` every epoch, ``drop_last``); eval splits are read ``rank, rank + workers, ...``."""
+    """The job's map-style Datasets through PyTorch DataLoaders whose worker processes (``data.num_workers``)
+    live as long as the run, across epochs and evaluations: an :class:`EpochSampler` shards and shuffles
+    the train split (``drop_last``); eval splits are read ``rank, rank + workers, ...``, each split's
+    loader made once."""
 
     def __init__(self, cfg: Config, job: Job, runtime: Runtime, data_root: Path, mode: str = "train") -> None:
         self.cfg, self.job, self.runtime, self.data_root = cfg, job, runtime, data_root
         self.workers, self.rank = runtime.data_parallel_size, runtime.data_parallel_rank
+        self.eval_loaders: dict[str, DataLoader] = {}
         if mode != "train":
             return
         self.train_set = job.build_dataset(cfg, "train", data_root)
-        self.sampler = ResumableSampler(
+        self.sampler = EpochSampler(
             self.train_set,
             num_replicas=self.workers,
             rank=self.rank,
@@ -89,33 +113,37 @@ class TorchData:
             seed=cfg.run.seed,
             drop_last=True,
         )
-        self.loader = DataLoader(
-            self.train_set,
+        self.loader = self._loader(
+            AtEpoch(self.train_set),
             batch_size=worker_batch(cfg, runtime),
             sampler=self.sampler,
             drop_last=True,
-            num_workers=cfg.data.num_workers,
-            pin_memory=runtime.pin_memory,
             generator=torch.Generator().manual_seed(cfg.run.seed),  # keeps the global RNG untouched (resume)
         )
         BatchPlan.of(cfg).check_split("train", len(self.train_set), str(data_root))
+
+    def _loader(self, dataset: Dataset, **options: Any) -> DataLoader:
+        workers = self.cfg.data.num_workers
+        return DataLoader(
+            dataset, num_workers=workers, persistent_workers=workers > 0, pin_memory=self.runtime.pin_memory, **options
+        )
 
     def batches_per_epoch(self) -> int:
         return len(self.loader)
 
     def epoch(self, epoch: int, skip: int = 0) -> Iterable[Batch]:
         self.sampler.set_epoch(epoch)
-        if hasattr(self.train_set, "set_epoch"):
-            self.train_set.set_epoch(epoch)
         self.sampler.skip(skip * self.loader.batch_size)
         return self.loader
 
     def eval_batches(self, split: str) -> Iterable[Batch]:
-        dataset: Dataset = self.job.build_dataset(self.cfg, split, self.data_root)
-        plan = BatchPlan.of(self.cfg)
-        plan.check_split(split, len(dataset), str(self.data_root))
-        shard = Subset(dataset, range(self.rank, len(dataset), self.workers))
-        return DataLoader(shard, batch_size=plan.eval_per_worker, num_workers=self.cfg.data.num_workers)
+        if split not in self.eval_loaders:
+            dataset: Dataset = self.job.build_dataset(self.cfg, split, self.data_root)
+            plan = BatchPlan.of(self.cfg)
+            plan.check_split(split, len(dataset), str(self.data_root))
+            shard = Subset(dataset, range(self.rank, len(dataset), self.workers))
+            self.eval_loaders[split] = self._loader(shard, batch_size=plan.eval_per_worker)
+        return self.eval_loaders[split]
 
     def sample(self) -> Batch:
         return dict(self.train_set[0])
