@@ -124,7 +124,7 @@ class Trainer:
             model.load_state_dict(ckpt.load_model_weights(cfg.checkpoint.weights), strict=True)
         self.model = rt.prepare_model(model, in_warmup(self.job, cfg, 0), cfg.loop.sync_batchnorm)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(cfg.optim, self.params)
+        self.optimizer = build_optimizer(cfg.optim, self.model, fused=rt.fused_optimizer)
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
         self.ema = EMA(rt.unwrap(self.model)) if cfg.loop.ema_beta else None
         self.ema_schedule = EMASchedule.from_loop(cfg.loop)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,8 +15,11 @@ from raytpu.config import ConfigError, LoopSettings, OptimSettings
 from raytpu.config.training_args import warmup_steps
 
 
-def build_optimizer(cfg: OptimSettings, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    params = list(params)
+def build_optimizer(cfg: OptimSettings, model: nn.Module, fused: bool = False) -> torch.optim.Optimizer:
+    """The optimizer of ``cfg`` over ``model``'s trainable parameters, weight decay kept off biases
+    and normalisation weights (:func:`decay_groups`); ``fused``: Adam and AdamW in PyTorch's fused
+    kernel (cuda)."""
+    params = decay_groups(model, cfg.weight_decay)
     if cfg.name == "adafactor":
         try:
             from transformers.optimization import Adafactor
@@ -23,14 +27,40 @@ def build_optimizer(cfg: OptimSettings, params: Iterable[nn.Parameter]) -> torch
             raise ConfigError("optim.name=adafactor is Transformers' Adafactor: pip install 'raytpu[lm]'") from exc
 
         # what TrainingArguments(optim="adafactor") builds: the given lr, no relative step or scaling
-        return Adafactor(params, lr=cfg.lr, scale_parameter=False, relative_step=False, weight_decay=cfg.weight_decay)
+        return Adafactor(params, lr=cfg.lr, scale_parameter=False, relative_step=False)
     if cfg.name == "adagrad":
-        return torch.optim.Adagrad(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.Adagrad(params, lr=cfg.lr)
+    adam = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, "fused": fused or None}
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, **adam)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, **adam)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+
+
+#: module classes whose weights are normalisation gains (never decayed), besides any class whose
+#: name ends in ``Norm`` (``LlamaRMSNorm``, ``T5LayerNorm``)
+NORMALISATIONS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The trainable parameters in two groups, as Transformers' Trainer makes them: biases and the
+    weights of normalisation layers without weight decay, the rest with ``weight_decay`` (one group
+    when there is no decay, so that the optimizer state of such a run keeps its layout)."""
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        normalisation = isinstance(module, NORMALISATIONS) or type(module).__name__.endswith("Norm")
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            (no_decay if normalisation or "bias" in name else decay).append(param)
+    if not weight_decay:
+        return [{"params": decay + no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def lr_factor(cfg: OptimSettings, total_steps: int) -> Callable[[int], float]:
