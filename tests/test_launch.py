@@ -98,7 +98,8 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     """v5e-8 (one host, 8 chips) and v4-16 (two hosts of 4 chips, reserved by Ray in the other
     order): every launched process gets torch_xla's per-chip environment, a distinct task id
     for every chip of the slice, and bf16 from ``--mixed_precision auto``; nothing that would
-    keep Accelerate off XLA (the driver's own USE_TORCH_XLA=0 is overridden)."""
+    keep Accelerate off XLA (the driver's own USE_TORCH_XLA=0 is overridden). Without the flag the
+    script's own Accelerator decides, as under ``accelerate launch``."""
     from raytpu.config.plan import ACCELERATE_NAMES, ScriptPlan
     from raytpu.driver.launch import PRECISIONS, settings_from
     from raytpu.runtime.base import resolve_precision
@@ -106,6 +107,7 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     from raytpu.worker.script import process_environment
 
     argv = ["launch", "--tpu-accelerator-type", accelerator_type, "--tpu-topology", topology, "--runtime", "xla"]
+    argv += ["--mixed_precision", "auto"]
     settings = settings_from(cli.build_parser().parse_args([*argv, "--num_processes", "8", EXAMPLE]))
     spec = slice_spec(accelerator_type, topology)
     precision, _ = resolve_precision("xla", PRECISIONS[settings.mixed_precision])
@@ -118,6 +120,7 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     assert all(env["USE_TORCH_XLA"] == "1" and "ACCELERATE_USE_CPU" not in env for env in envs)
     assert {env["TPU_VISIBLE_CHIPS"] for env in envs} == {str(chip) for chip in range(spec.chips_per_host)}
     assert len({env["TPU_PROCESS_ADDRESSES"] for env in envs}) == 1
+    assert "ACCELERATE_MIXED_PRECISION" not in process_environment(ScriptPlan(path=EXAMPLE, state="s"), "cuda")
 
 
 def test_ray_train_s_resource_request_timeout_is_one_warning_line_on_the_console():

@@ -42,7 +42,9 @@ LAUNCH_TEXT = "run an existing Accelerate / torch.distributed script, unchanged,
 def add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     """``raytpu launch``'s options (also read by ``raytpu submit launch``)."""
     launch.add_argument("--num_processes", "--num-processes", type=int, help="processes (Ray workers), default 1")
-    launch.add_argument("--mixed_precision", "--mixed-precision", help="no | fp16 | bf16 | auto (default: auto)")
+    launch.add_argument(
+        "--mixed_precision", "--mixed-precision", help="no | fp16 | bf16 | auto (default: the script's own choice)"
+    )
     launch.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", type=int)
     launch.add_argument("--runtime", help="cpu | cuda | xla | auto (default: auto, from the cluster)")
     launch.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray instance)")
@@ -69,7 +71,7 @@ class LaunchSettings:
     script: str
     script_args: tuple[str, ...] = ()
     config: Config = field(default_factory=Config)
-    mixed_precision: str = "auto"  # no | fp16 | bf16 | auto
+    mixed_precision: str = ""  # no | fp16 | bf16 | auto; "": the script's own (Accelerator's argument, else no)
     gradient_accumulation_steps: int = 1
 
     @property
@@ -107,14 +109,15 @@ def settings_from(args: Any) -> LaunchSettings:
     if args.profile is not None:
         values.update(profile_window(args.profile))
     values["logging.verbose"] = bool(args.verbose)
-    values["scaling.precision"] = PRECISIONS.get(args.mixed_precision or "auto", args.mixed_precision)
+    if args.mixed_precision:
+        values["scaling.precision"] = PRECISIONS.get(args.mixed_precision, args.mixed_precision)
     if not (values.get("run.name") or cfg.run.name):
         values["run.name"] = Path(args.script).stem
     settings = LaunchSettings(
         script=args.script,
         script_args=tuple(args.script_args),
         config=with_values(cfg, values),
-        mixed_precision=args.mixed_precision or "auto",
+        mixed_precision=args.mixed_precision or "",
         gradient_accumulation_steps=args.gradient_accumulation_steps or 1,
     )
     check(settings)
@@ -139,7 +142,7 @@ def check(settings: LaunchSettings) -> None:
     script = Path(settings.script)
     if not script.is_file():
         raise ConfigError(f"script {settings.script!r} not found; give the path of the training script to run")
-    if settings.mixed_precision not in PRECISIONS:
+    if settings.mixed_precision and settings.mixed_precision not in PRECISIONS:
         raise ConfigError(f"--mixed_precision {settings.mixed_precision!r} is not one of {', '.join(PRECISIONS)}")
     if settings.scaling.runtime not in ("auto", "cpu", "cuda", "xla"):
         raise ConfigError(f"--runtime {settings.scaling.runtime!r} is not one of auto, cpu, cuda, xla")
@@ -193,6 +196,7 @@ def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, 
         path=str(Path(settings.script).resolve()),
         args=settings.script_args,
         working_dir=os.getcwd(),
+        mixed_precision=settings.mixed_precision,
         gradient_accumulation_steps=settings.gradient_accumulation_steps,
         state=f"raytpu-launch-{uuid.uuid4().hex[:12]}",
         last_checkpoint=last_state_number(checkpoint_names(RunFolder(join(cfg.run.storage_path, cfg.run.name)))),
@@ -211,7 +215,7 @@ def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, 
     runtime = plan.config.scaling.runtime
     print(
         f"raytpu: launch {settings.script} as run {cfg.run.name}: {plan.config.scaling.num_workers} {runtime} "
-        f"process(es), mixed precision {plan.script.mixed_precision}",
+        f"process(es), mixed precision {plan.script.mixed_precision or 'as the script sets it'}",
         flush=True,
     )
     return plan

@@ -199,9 +199,10 @@ def process_environment(script: ScriptPlan, runtime: str) -> dict[str, str]:
     environment is already set (``raytpu.worker.entry.configure_chip_process``)."""
     env = {
         STATE_ENV: script.state,
-        "ACCELERATE_MIXED_PRECISION": script.mixed_precision,
         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(script.gradient_accumulation_steps),
     }
+    if script.mixed_precision:  # else the script's Accelerator(mixed_precision=...) decides, as under accelerate launch
+        env["ACCELERATE_MIXED_PRECISION"] = script.mixed_precision
     env["USE_TORCH_XLA"] = "1" if runtime == "xla" else "0"  # the driver's own "0" must not reach an XLA worker
     if runtime == "cpu":
         env["ACCELERATE_USE_CPU"] = "true"
