@@ -55,7 +55,8 @@ def test_auto_runtime(tpu, gpu, expected):
     ("runtime", "asked", "bf16_ok", "expected", "warns"),
     [
         ("xla", "auto", True, "bf16", False),
-        ("cuda", "auto", True, "fp16", False),
+        ("cuda", "auto", True, "bf16", False),
+        ("cuda", "auto", False, "fp16", False),
         ("cpu", "auto", True, "fp32", False),
         ("xla", "fp16", True, "bf16", True),
         ("cpu", "fp16", True, "fp32", True),

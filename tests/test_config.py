@@ -114,7 +114,7 @@ def test_the_plan_is_made_once_frozen_and_travels_as_plain_values(tmp_path):
     cfg, _ = load_config(path, ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"])
     tpu = NodeType("tpu_v5e_8", {"CPU": 8.0, "TPU": 8.0}, max_count=1)
     offer = ClusterOffer(nodes=({"CPU": 4.0},), available={"CPU": 4.0}, node_types=(tpu,), node_types_from="test")
-    script = ScriptPlan(path="/a.py", args=("--x", "1"), state="s")
+    script = ScriptPlan(path="/a.py", args=("--x", "1"), state="s", mixed_precision="auto")
     facts = Facts(mode="train", offer=offer, where="here", split_sizes=(("train", 64),), command="c1", script=script)
     plan = make_plan(
         with_values(cfg, {"run.storage_path": "/runs", "run.name": "mine", "scaling.runtime": "cpu"}), facts

@@ -397,9 +397,7 @@ def module_exists(name: str) -> bool:
 @functools.cache
 def committed_paths() -> frozenset[str]:
     """Every file git tracks and every folder above one: what a clean clone (CI) has."""
-    files = subprocess.run(
-        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     folders = {str(parent) for name in files for parent in Path(name).parents}
     return frozenset(files) | folders
 

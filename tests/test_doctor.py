@@ -55,7 +55,7 @@ def test_json_report_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None
     assert report["devices"]["cpu"]["count"] >= 1
     assert isinstance(report["devices"]["tpu"]["chips"], int)
     assert report["auto"]["runtime"] in ("cpu", "cuda", "xla")
-    assert report["auto"]["precision"] == {"cpu": "fp32", "cuda": "fp16", "xla": "bf16"}[report["auto"]["runtime"]]
+    assert report["auto"]["precision"] == {"cpu": "fp32", "cuda": "bf16", "xla": "bf16"}[report["auto"]["runtime"]]
     assert report["cluster"] == {"address": None, "reachable": None, "message": connect.NO_CLUSTER, "nodes": []}
     assert report["blocking"] is False
     assert not [p for p in report["problems"] if p["blocking"]]
@@ -166,9 +166,15 @@ def test_lock_holder_is_found(tmp_path: Path) -> None:
 
 
 def test_auto_choice() -> None:
-    assert doctor.auto_choice(4, True, {"available": False}) == {"runtime": "xla", "precision": "bf16"}
+    xla = doctor.auto_choice(4, True, {"available": False})
+    assert (xla["runtime"], xla["precision"], xla["note"]) == ("xla", "bf16", "TPUs compute in bf16")
     cuda = doctor.auto_choice(0, True, {"available": True, "bf16": True})
-    assert (cuda["runtime"], cuda["precision"]) == ("cuda", "fp16") and "bf16" in cuda["note"]
+    assert (cuda["runtime"], cuda["precision"]) == ("cuda", "bf16") and "since Ampere" in cuda["note"]
+    old_gpu = doctor.auto_choice(0, True, {"available": True, "bf16": False})
+    assert (old_gpu["precision"], old_gpu["note"]) == (
+        "fp16",
+        "this GPU has no bf16: fp16 autocast with a gradient scaler",
+    )
     assert doctor.auto_choice(0, False, {"available": False}) == {"runtime": "cpu", "precision": "fp32"}
     no_xla = doctor.auto_choice(8, False, {"available": False})
     assert (no_xla["runtime"], no_xla["precision"]) == ("cpu", "fp32")

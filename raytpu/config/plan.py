@@ -22,7 +22,7 @@ from raytpu.config.batching import BatchPlan
 from raytpu.config.loading import from_dict, to_dict, with_values
 from raytpu.config.schema import Config
 from raytpu.errors import ConfigError
-from raytpu.runtime.base import resolve_precision
+from raytpu.runtime.base import GPUS_WITHOUT_BF16, compiles, precision_reason, resolve_precision
 from raytpu.runtime.placement import ClusterOffer, NodeType, Placement, place
 from raytpu.storage.filesystems import is_remote, join
 
@@ -37,7 +37,7 @@ class ScriptPlan:
     path: str
     args: tuple[str, ...] = ()
     working_dir: str = ""
-    mixed_precision: str = "no"  # Accelerate's name: no | fp16 | bf16 (the plan's precision)
+    mixed_precision: str = ""  # Accelerate's name: no | fp16 | bf16 (asked: the plan's); "": the script's own
     gradient_accumulation_steps: int = 1
     state: str = ""  # the name of the run's launch-state actor
     last_checkpoint: int = 0  # the highest checkpoint number the run folder held before this launch
@@ -149,18 +149,22 @@ def make_plan(cfg: Config, facts: Facts) -> Plan:
     placement = place(
         scaling.runtime, scaling.num_workers, scaling.tpu.layout, bool(scaling.tpu.accelerator_type), facts.offer
     )
-    precision, warning = resolve_precision(placement.runtime, scaling.precision)
+    gpu_types = facts.offer.accelerator_types("GPU")
+    bf16_everywhere = not (gpu_types and gpu_types <= GPUS_WITHOUT_BF16)  # else each worker's GPU decides
+    precision, warning = resolve_precision(placement.runtime, scaling.precision, bf16_everywhere)
     resolved = resolve_config(cfg, placement.runtime, precision, placement, batch=facts.mode != "launch")
     if not facts.local:
         resolved = with_values(resolved, leave_cpu_for_ray_data(resolved, facts.offer))
     for split, samples in facts.split_sizes:
         BatchPlan.of(resolved).check_split(split, samples, facts.data_root)
-    if facts.script is not None:
+    if facts.script is not None and facts.script.mixed_precision:  # asked with --mixed_precision
         script = dataclasses.replace(facts.script, mixed_precision=ACCELERATE_NAMES[precision])
         facts = dataclasses.replace(facts, script=script)
     notes = [f"scaling.runtime auto -> {placement.runtime}: {placement.why}"] if placement.why else []
     notes += [placement.note] if placement.note else []
     notes += [f"warning: {warning}"] if warning else []
+    if scaling.precision == "auto" and placement.runtime != "cpu":
+        notes.append(f"scaling.precision {precision_reason(placement.runtime, 'auto', precision)}")
     notes += cpu_note(cfg, resolved) + bucket_note(resolved)
     return Plan(resolved, cfg, facts, placement, datasets_of(resolved, facts.mode), tuple(notes))
 
@@ -206,7 +210,11 @@ def resolve_config(
     each worker's TPU): per-device batches turned into global ones, gradient checkpointing routed to
     torch_xla's on xla. ``batch``: the global batch splits over the workers (not for ``raytpu
     launch``, whose script batches as it likes)."""
-    cfg = with_values(cfg, {"scaling.runtime": runtime, "scaling.precision": precision, **placed(cfg, placement)})
+    if runtime == "xla" and cfg.loop.compile == "true":
+        raise ConfigError("loop.compile=true: XLA compiles every step already; torch.compile is for cpu and cuda")
+    compiled = "true" if compiles(runtime, cfg.loop.compile) else "false"
+    settled = {"scaling.runtime": runtime, "scaling.precision": precision, "loop.compile": compiled}
+    cfg = with_values(cfg, {**settled, **placed(cfg, placement)})
     values: dict[str, Any] = per_device_batches(cfg)
     if runtime == "xla" and getattr(cfg.job, "gradient_checkpointing", False):
         # XLA's common-subexpression elimination merges a plain checkpoint's recomputation back into

@@ -32,6 +32,7 @@ class ScalingSettings:
     runtime: str = "auto"  # auto | cpu | cuda | xla
     num_workers: int = 1
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    tf32: bool = True  # cuda: TF32 tensor cores for the matmuls and convolutions left in fp32
     cpus_per_worker: float = 1.0
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     tpu: TPUSettings = field(default_factory=TPUSettings)
@@ -111,6 +112,8 @@ class LoopSettings:
     grad_norm_warn_high: float = 1e3
     grad_norm_warn_low: float = 1e-7
     callbacks: list[str] = field(default_factory=list)  # raytpu.hooks.Callback classes by import path
+    compile: str = "auto"  # auto | true | false: torch.compile of the model on cpu/cuda (auto: on cuda)
+    compile_mode: str = "default"  # torch.compile's mode: default | reduce-overhead | max-autotune ...
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("adafactor", "adagrad", "adam", "adamw", "sgd"),
     "optim.scheduler": ("constant", "cosine", "linear", "poly"),
     "loop.sync_batchnorm": ("auto", "true", "false"),
+    "loop.compile": ("auto", "true", "false"),
+    "loop.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "tune.scheduler": ("asha", "fifo"),
     "tune.mode": ("", "max", "min"),
     "tune.lr_scaling": ("none", "linear", "sqrt"),

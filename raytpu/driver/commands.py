@@ -149,9 +149,10 @@ def where_it_runs(plan: Plan) -> str:
     """One line: the cluster, the workers, the runtime and precision, and the batch per worker."""
     cfg, batch = plan.config, plan.batch
     accum = f" x {batch.grad_accum} accumulation steps" if batch.grad_accum > 1 else ""
+    compiled = f", torch.compile ({cfg.loop.compile_mode})" if cfg.loop.compile == "true" else ""
     return (
         f"raytpu: {plan.mode} {cfg.run.name} on {plan.facts.where}: {batch.workers} {cfg.scaling.runtime} "
-        f"worker(s), {cfg.scaling.precision}, {batch.per_worker} samples per worker{accum} "
+        f"worker(s), {cfg.scaling.precision}{compiled}, {batch.per_worker} samples per worker{accum} "
         f"(global batch {batch.global_batch})"
     )
 

@@ -175,6 +175,7 @@ def auto_choice(tpu_chips: int, xla_installed: bool, cuda: dict[str, Any]) -> di
     """What ``runtime: auto`` / ``precision: auto`` pick on this machine (same rules as the workers)."""
     try:
         from raytpu.runtime import pick_runtime, resolve_precision
+        from raytpu.runtime.base import AUTO_PRECISION_REASONS
     except Exception as exc:
         return {"runtime": None, "precision": None, "error": one_line(exc)}
     tpu = tpu_chips > 0 or os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
@@ -183,8 +184,8 @@ def auto_choice(tpu_chips: int, xla_installed: bool, cuda: dict[str, Any]) -> di
     choice: dict[str, Any] = {"runtime": runtime, "precision": precision}
     if tpu and not xla_installed:
         choice["note"] = "a TPU is present but torch_xla is not installed: pip install 'raytpu[tpu]'"
-    elif runtime == "cuda" and cuda.get("bf16"):
-        choice["note"] = "this GPU also supports bf16 (precision: bf16)"
+    elif runtime != "cpu":
+        choice["note"] = AUTO_PRECISION_REASONS[(runtime, precision)]
     return choice
 
 

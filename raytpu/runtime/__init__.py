@@ -43,10 +43,13 @@ def make_runtime(
     xla_options: Any = None,
     compile_cache: str = "",
     warn: Callable[[str], None] = warnings.warn,
+    compile_mode: str = "",
+    tf32: bool = True,
 ) -> Runtime:
     """Build the plan's runtime on this worker. What only the device can tell is decided here, once:
     a GPU without bf16 runs ``bf16`` as fp16 with a gradient scaler (said through ``warn``; the
-    worker records what ran). ``compile_cache``: XLA's persistent cache folder ("" or "none": none)."""
+    worker records what ran). ``compile_cache``: XLA's persistent cache folder ("" or "none": none);
+    ``compile_mode``: torch.compile's mode on cpu and cuda ("": eager); ``tf32``: on cuda."""
     if runtime == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             "scaling.runtime=cuda but this worker sees no GPU: check the node's GPU (nvidia-smi, "
@@ -60,4 +63,4 @@ def make_runtime(
         from raytpu.runtime.xla import XLARuntime  # imports torch_xla: only on XLA workers
 
         return XLARuntime(resolved, world_size, rank, local_rank, xla_options, compile_cache)
-    return DDPRuntime(runtime, resolved, world_size, rank, local_rank)
+    return DDPRuntime(runtime, resolved, world_size, rank, local_rank, compile_mode, tf32)

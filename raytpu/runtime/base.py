@@ -26,15 +26,30 @@ def pick_runtime(requested: str, tpu_present: bool, cuda_present: bool) -> str:
     return "cuda" if cuda_present else "cpu"
 
 
+#: GPUs without bf16 (before Ampere), by the names Ray gives them (``accelerator_type:<name>``)
+GPUS_WITHOUT_BF16 = frozenset({"K80", "M60", "P4", "P40", "P100", "V100", "T4"})
+
+#: why ``precision: auto`` picked what it did, per runtime and precision (the header, ``raytpu doctor``)
+AUTO_PRECISION_REASONS = {
+    ("xla", "bf16"): "TPUs compute in bf16",
+    ("cuda", "bf16"): "bf16 autocast with fp32 weights, as on every GPU since Ampere",
+    ("cuda", "fp16"): "this GPU has no bf16: fp16 autocast with a gradient scaler",
+    ("cpu", "fp32"): "CPUs train in fp32",
+}
+
+
 def resolve_precision(runtime: str, requested: str, bf16_supported: bool = True) -> tuple[str, str | None]:
     """Return ``(precision, warning)`` for a runtime: the precision policy.
 
-    auto: bf16 on xla, fp16 (with GradScaler) on cuda, fp32 on cpu. fp16 asked
-    on xla becomes bf16 with a warning (TPUs have no fp16 autocast); fp16 on cpu
-    becomes fp32; bf16 on a GPU without bf16 becomes fp16.
+    auto: bf16 on xla; on cuda bf16 (autocast, fp32 master weights) where the GPU has it (Ampere
+    and newer), else fp16 with a GradScaler; fp32 on cpu. fp16 asked on xla becomes bf16 with a
+    warning (TPUs have no fp16 autocast); fp16 on cpu becomes fp32; bf16 on a GPU without bf16
+    becomes fp16.
     """
     if requested == "auto":
-        return {"xla": "bf16", "cuda": "fp16", "cpu": "fp32"}[runtime], None
+        if runtime == "cuda":
+            return ("bf16" if bf16_supported else "fp16"), None
+        return {"xla": "bf16", "cpu": "fp32"}[runtime], None
     if runtime == "xla" and requested == "fp16":
         return "bf16", "precision fp16 is not supported on XLA/TPU; using bf16 instead"
     if runtime == "cpu" and requested == "fp16":
@@ -42,6 +57,22 @@ def resolve_precision(runtime: str, requested: str, bf16_supported: bool = True)
     if runtime == "cuda" and requested == "bf16" and not bf16_supported:
         return "fp16", "this GPU has no bf16 support; using fp16 with a gradient scaler"
     return requested, None
+
+
+def precision_reason(runtime: str, requested: str, precision: str) -> str:
+    """Why a run computes at ``precision``, in a few words: ``auto -> bf16: <reason>``."""
+    if requested != "auto":
+        return precision if requested == precision else f"{requested} -> {precision}: not available on {runtime}"
+    return f"auto -> {precision}: {AUTO_PRECISION_REASONS.get((runtime, precision), 'the runtime default')}"
+
+
+def compiles(runtime: str, requested: str) -> bool:
+    """``loop.compile``: whether the model goes through ``torch.compile``. ``auto`` compiles on cuda,
+    where a step gains a third and more once its kernels are fused; on the CPU the compile costs
+    more than a short run wins back, and XLA compiles every step already."""
+    if requested == "auto":
+        return runtime == "cuda"
+    return requested == "true"
 
 
 def batchnorm_scope(runtime: str, requested: str, spmd: bool, world_size: int) -> str:
@@ -121,6 +152,11 @@ class Runtime:
         """Whether data loaders should pin host memory for copies to this device."""
         return False
 
+    @property
+    def fused_optimizer(self) -> bool:
+        """Whether Adam and AdamW take PyTorch's fused kernel here (one kernel for every parameter)."""
+        return False
+
     def device_kind(self) -> str:
         """The worker's device as its vendor names it (``NVIDIA H100 80GB HBM3``, ``v5litepod-8``)."""
         return self.device.type
@@ -149,6 +185,8 @@ class Runtime:
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
+        """The model inside the runtime's wrappers (torch.compile's, then the data-parallel one)."""
+        model = getattr(model, "_orig_mod", model)
         return getattr(model, "module", model)
 
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -58,6 +58,14 @@ class ClusterOffer:
     def offers(self, resource: str) -> bool:
         return self.up(resource) > 0 or bool(self.startable(resource))
 
+    def accelerator_types(self, resource: str) -> frozenset[str]:
+        """The accelerator types (Ray's ``accelerator_type:<name>`` labels: ``H100``, ``T4``) of the
+        nodes that are up or may start with ``resource``; empty where none is labelled."""
+        nodes = [node for node in self.nodes if node.get(resource, 0) > 0]
+        nodes += [node_type.resources for node_type in self.startable(resource)]
+        prefix = "accelerator_type:"
+        return frozenset(key[len(prefix) :] for node in nodes for key in node if key.startswith(prefix))
+
     def capacities(self, limit: int = 64) -> list[Mapping[str, float]]:
         """Every node the run could have: the live ones, then each node type as many times as the
         autoscaler may still start it (its live nodes counted against its maximum)."""

@@ -56,7 +56,18 @@ def work(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | 
 
     cfg, job = plan.config, load_job(plan.config.job.name)
     scaling, cache = cfg.scaling, compile_cache(cfg, plan.run_dir)
-    runtime = make_runtime(scaling.runtime, scaling.precision, seat.world, seat.rank, seat.local_rank, cfg.xla, cache)
+    compile_mode = cfg.loop.compile_mode if cfg.loop.compile == "true" else ""
+    runtime = make_runtime(
+        scaling.runtime,
+        scaling.precision,
+        seat.world,
+        seat.rank,
+        seat.local_rank,
+        cfg.xla,
+        cache,
+        compile_mode=compile_mode,
+        tf32=scaling.tf32,
+    )
     folder = RunFolder(plan.run_dir)
     if runtime.is_main:
         devices.record(folder, devices.of(runtime, scaling.precision))
