@@ -35,7 +35,7 @@ def bare_transformers_loop(cfg, job, data_root: Path, warmup: int, steps: int) -
     torch.manual_seed(cfg.run.seed)
     model = job.build_model(cfg).train()
     loader = DataLoader(job.build_dataset(cfg, "train", data_root), cfg.data.global_batch_size, shuffle=True)
-    optimizer = build_optimizer(cfg.optim, model.parameters())
+    optimizer = build_optimizer(cfg.optim, model)
     start = 0.0
     for done, batch in enumerate(loader):
         if done == warmup:

@@ -71,7 +71,7 @@ def worker_for(loader: str, data: Path, parquet: Path, materialize_mb: float) ->
     runtime = make_runtime("cpu", "fp32", 1, 0, 0)
     model = job.build_model(cfg)
     worker_data = make_worker_data(cfg, job, runtime, data, datasets)
-    return Worker(cfg, job, worker_data, model, build_optimizer(cfg.optim, model.parameters()))
+    return Worker(cfg, job, worker_data, model, build_optimizer(cfg.optim, model))
 
 
 def batches(worker: Worker) -> Iterator[dict[str, torch.Tensor]]:
