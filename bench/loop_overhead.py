@@ -57,74 +57,107 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Window:
+    """Seconds summed over stretches of steps, each opened and closed at a synchronization (on a
+    GPU the steps run asynchronously): evaluations and checkpoints between epochs stay outside,
+    whatever a loop does between the steps of an epoch is inside."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.seconds, self.opened = device, 0.0, None
+
+    def open(self) -> None:
+        if self.opened is None:
+            synchronize(self.device)
+            self.opened = time.perf_counter()
+
+    def close(self) -> None:
+        if self.opened is not None:
+            synchronize(self.device)
+            self.seconds += time.perf_counter() - self.opened
+            self.opened = None
+
+
 def bare_loop(
     cfg, job, data_root: Path, warmup: int, steps: int, device: str = "cpu", precision: str = "fp32"
 ) -> float:
-    """The loop a careful user writes by hand: persistent loader workers, no logging, no checkpoints."""
+    """The loop a careful user writes by hand: loader workers kept across epochs and evaluations,
+    the valid split evaluated after each epoch as the raytpu run does, no logging, no checkpoints."""
     torch.manual_seed(cfg.run.seed)
     target = torch.device(device)
-    dataset = job.build_dataset(cfg, "train", data_root)
     workers = cfg.data.num_workers
-    loader = DataLoader(
-        dataset,
-        batch_size=cfg.data.global_batch_size,
-        shuffle=True,
-        drop_last=True,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        pin_memory=target.type == "cuda",
-    )
+
+    def loader(split: str, batch_size: int, shuffle: bool) -> DataLoader:
+        dataset = job.build_dataset(cfg, split, data_root)
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            pin_memory=target.type == "cuda",
+        )
+
+    train = loader("train", cfg.data.global_batch_size, True)
+    valid = loader("valid", cfg.data.eval_batch_size or cfg.data.global_batch_size, False)
     model = job.build_model(cfg).to(target).train()
     optimizer = build_optimizer(cfg.optim, model, fused=target.type == "cuda")
     dtype = DTYPES[precision]
-    autocast = torch.autocast(target.type, dtype) if dtype is not None else contextlib.nullcontext()
+    autocast = (lambda: torch.autocast(target.type, dtype)) if dtype is not None else contextlib.nullcontext
     scaler = torch.amp.GradScaler(target.type, enabled=precision == "fp16")
-    done, start = 0, 0.0
-    while done < warmup + steps:
-        for batch in loader:
+    window, done, total = Window(target), 0, warmup + steps
+    while done < total:
+        if done >= warmup:
+            window.open()
+        batches = iter(train)
+        for index in range(len(train)):
             if done == warmup:
-                synchronize(target)
-                start = time.perf_counter()
-            batch = {key: value.to(target, non_blocking=True) for key, value in batch.items()}
-            ctx = StepContext(epoch=done // len(loader), step=done, training=True, config=cfg)
-            with autocast:
+                window.open()
+            batch = {key: value.to(target, non_blocking=True) for key, value in next(batches).items()}
+            ctx = StepContext(epoch=done // len(train), step=done, training=True, config=cfg)
+            with autocast():
                 loss, _ = job.train_step(model, batch, ctx)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
             done += 1
-            if done == warmup + steps:
+            if index == len(train) - 1 or done == total:
+                window.close()
+            if done == total:
                 break
-    synchronize(target)
-    return steps * cfg.data.global_batch_size / (time.perf_counter() - start)
+        else:
+            evaluate(job, cfg, model, valid, target, autocast)
+    return steps * cfg.data.global_batch_size / window.seconds
+
+
+@torch.no_grad()
+def evaluate(job, cfg, model: torch.nn.Module, batches: DataLoader, target: torch.device, autocast) -> None:
+    model.eval()
+    for step, batch in enumerate(batches):
+        batch = {key: value.to(target, non_blocking=True) for key, value in batch.items()}
+        with autocast():
+            job.eval_step(model, batch, StepContext(epoch=0, step=step, training=False, config=cfg))
+    model.train()
 
 
 class StepTimer(Callback):
-    """Wall time of the training steps after ``warmup``, from the first one's start to the last
-    one's end, what the hand-written loop measures. On the CPU each step is timed alone
-    (evaluations and checkpoints between steps are not steps); on a GPU, whose steps run
-    asynchronously, the window is timed between two synchronizations."""
+    """The raytpu run's :class:`Window` over the steps after ``warmup``: opened at the first timed
+    step and at each epoch's first, closed after each epoch's last step and the last timed one."""
 
     def __init__(self, warmup: int, steps: int, device: torch.device) -> None:
-        self.first, self.last, self.device = warmup + 1, warmup + steps, device
-        self.started: dict[int, float] = {}
-        self.seconds: dict[int, float] = {}
+        self.first, self.last, self.window = warmup + 1, warmup + steps, Window(device)
 
     def on_step_start(self, trainer, step: int) -> None:
-        if step == self.first:
-            synchronize(self.device)
-        self.started[step] = time.perf_counter()
+        if self.first <= step <= self.last:
+            self.window.open()
 
     def on_step_end(self, trainer, step: int) -> None:
-        if self.device.type == "cuda" and step == self.last:
-            synchronize(self.device)
-            self.seconds = {self.first: time.perf_counter() - self.started[self.first]}
-        elif self.device.type != "cuda":
-            self.seconds[step] = time.perf_counter() - self.started[step]
+        if step == self.last or step % trainer.steps_per_epoch == 0:
+            self.window.close()
 
     def total(self) -> float:
-        return sum(seconds for step, seconds in self.seconds.items() if self.first <= step <= self.last)
+        return self.window.seconds
 
 
 def raytpu_loop(

@@ -148,3 +148,27 @@ def test_fused_adam_only_where_asked():
     assert build_optimizer(cfg.optim, model).defaults["fused"] is None
     sgd = with_values(cfg, {"optim.name": "sgd"})
     assert isinstance(build_optimizer(sgd.optim, model, fused=True), torch.optim.SGD)
+
+
+@pytest.mark.integration
+def test_a_compiled_run_on_two_ray_workers_trains_and_evaluates_without_recompiling(ray_session, tmp_path, capfd):
+    """``loop.compile=true`` through Ray Train: 2 CPU workers, DDP over gloo inside the compiled
+    graph; 2 epochs with an evaluation after each; no graph compiled after warm-up on any log step,
+    the compile time in the run's goodput."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from raytpu import cli
+
+    config = tmp_path / "toy.yaml"
+    config.write_text(f"job: {{name: tests.toy_job}}\ndata: {{path: {tmp_path}}}\n")
+    where = [f"run.storage_path={tmp_path / 'results'}", "run.name=compiled"]
+    extra = ["scaling.num_workers=2", "loop.epochs=2", "loop.log_every=4", "loop.compile=true"]
+    assert cli.main(["train", str(config), *TOY, *extra, *where]) == 0
+    assert "2 cpu worker(s), fp32, torch.compile (default)" in capfd.readouterr().out
+    run = tmp_path / "results" / "compiled"
+    events = EventAccumulator(str(run / "tensorboard")).Reload()
+    recompiles = [event.value for event in events.Scalars("compile/recompiles_after_warmup")]
+    assert len(recompiles) == 4 and not any(recompiles), recompiles
+    assert len(events.Scalars("valid/mse")) == 2
+    categories = goodput.breakdown(goodput.read_record(RunFolder(str(run))))["categories"]
+    assert categories["compilation"] > 0, categories
