@@ -210,10 +210,11 @@ class Runtime:
         loss.backward()
 
     def optimizer_step(
-        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
-    ) -> torch.Tensor:
-        """Clip (if ``max_norm``), step, and return the pre-clip gradient norm (a tensor)."""
-        norm = clip_or_measure(params, max_norm)
+        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float, measure: bool = True
+    ) -> torch.Tensor | None:
+        """Clip (if ``max_norm``), step, and return the pre-clip gradient norm (a tensor; None when
+        neither clipping nor ``measure`` asks for it)."""
+        norm = clip_or_measure(params, max_norm, measure)
         optimizer.step()
         return norm
 
@@ -310,8 +311,11 @@ class Runtime:
         """End of training: print reports, release resources."""
 
 
-def clip_or_measure(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Total gradient norm of ``params`` (a tensor, no host sync); clips in place when ``max_norm > 0``."""
+def clip_or_measure(params: list[nn.Parameter], max_norm: float, measure: bool = True) -> torch.Tensor | None:
+    """Total gradient norm of ``params`` (a tensor, no host sync); clips in place when ``max_norm > 0``.
+    Without clipping the norm is only computed when ``measure`` asks for it (None otherwise)."""
     if max_norm > 0:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=None)
+    if not measure:
+        return None
     return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=None)

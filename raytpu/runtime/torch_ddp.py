@@ -78,12 +78,12 @@ class DDPRuntime(Runtime):
             loss.backward()
 
     def optimizer_step(
-        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
-    ) -> torch.Tensor:
+        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float, measure: bool = True
+    ) -> torch.Tensor | None:
         if self.scaler is None:
-            return super().optimizer_step(optimizer, params, max_norm)
+            return super().optimizer_step(optimizer, params, max_norm, measure)
         self.scaler.unscale_(optimizer)
-        norm = clip_or_measure(params, max_norm)
+        norm = clip_or_measure(params, max_norm, measure)
         self.scaler.step(optimizer)
         self.scaler.update()
         return norm

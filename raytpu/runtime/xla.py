@@ -174,8 +174,8 @@ class XLARuntime(Runtime):
 
     # ---------------------------------------------------------------- step
     def optimizer_step(
-        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float
-    ) -> torch.Tensor:
+        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float, measure: bool = True
+    ) -> torch.Tensor | None:
         grads = [p.grad for p in params if p.grad is not None]
         if self.host_collectives:
             self._all_reduce_on_host(grads)
@@ -183,7 +183,7 @@ class XLARuntime(Runtime):
             import torch_xla.core.xla_model as xm
 
             xm.reduce_gradients(optimizer)
-        norm = clip_or_measure(params, max_norm)
+        norm = clip_or_measure(params, max_norm, measure)
         optimizer.step()
         return norm
 

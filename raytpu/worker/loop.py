@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 import shutil
 import tempfile
@@ -128,7 +129,7 @@ class Trainer:
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
         self.ema = EMA(rt.unwrap(self.model)) if cfg.loop.ema_beta else None
         self.ema_schedule = EMASchedule.from_loop(cfg.loop)
-        self.nonfinite = torch.zeros((), device=rt.device)
+        self.loss_total = torch.zeros((), device=rt.device)  # the sum of every step's loss since the start
         self.scoreboard.reset_loss()
 
     def _count_throughput(self, model: torch.nn.Module) -> None:
@@ -239,10 +240,11 @@ class Trainer:
         ctx = StepContext(epoch=p.epoch, step=p.step, training=True, config=cfg)
         tracing = self.profile is not None and self.profile.tracing
         traced = rt.step_trace(p.step + 1) if tracing else contextlib.nullcontext()
+        logs = (p.step + 1) % cfg.loop.log_every == 0 or p.step + 1 == self.total_steps
         with traced, rt.compiled_step():
-            self._forward_backward_update(batches, ctx)
+            self._forward_backward_update(batches, ctx, logs)
         p.step += 1
-        if p.step % cfg.loop.log_every == 0 or p.step == self.total_steps:
+        if logs:
             rt.add_step_closure(self._log, (self._stats, p.step, self.scheduler.get_last_lr()[0]))
         rt.mark_step()
         if self._stop_reason:
@@ -256,8 +258,11 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_step_end(self, p.step)
 
-    def _forward_backward_update(self, batches: Iterator[Batch], ctx: StepContext) -> None:
-        """Everything of one optimizer step: the part that XLA compiles as one graph."""
+    def _forward_backward_update(self, batches: Iterator[Batch], ctx: StepContext, logs: bool) -> None:
+        """Everything of one optimizer step: the part that XLA compiles as one graph. The statistics
+        only a log reads (the gradient norm unless clipping needs it, the stacked values) are
+        computed on the steps that ``logs`` on eager runtimes, where each is a kernel launch, and on
+        every step on a static-graph one, where computing them in one step only would be a second graph."""
         p, cfg, rt = self.progress, self.cfg, self.runtime
         accum = cfg.loop.grad_accum
         loss_sum = None
@@ -268,17 +273,19 @@ class Trainer:
                 loss, extra = self.job.train_step(self.model, batch, ctx)
             rt.backward(loss / accum if accum > 1 else loss)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-        grad_norm = rt.optimizer_step(self.optimizer, self.params, cfg.loop.clip_grad_norm)
+        measured = logs or rt.static_graph
+        grad_norm = rt.optimizer_step(self.optimizer, self.params, cfg.loop.clip_grad_norm, measure=measured)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if self.ema is not None:
             self._update_ema(self.ema_schedule.weight(p.step))
-        loss_mean = loss_sum.float() / accum
+        loss_mean = loss_sum.float() / accum if accum > 1 else loss_sum.float()
         self.scoreboard.add_loss(loss_mean)
-        self.nonfinite = torch.maximum(self.nonfinite, (~torch.isfinite(loss_mean)).float())
-        extras = {k: v.detach().float() for k, v in extra.items() if k != "loss"}
-        self._stats = torch.stack([loss_mean, grad_norm.float(), self.nonfinite, *extras.values()])
-        self._stat_names = ["loss", "grad_norm", "nonfinite", *extras]
+        self.loss_total = self.loss_total + loss_mean  # one non-finite loss keeps it non-finite: the stop check
+        if measured:
+            extras = {k: v.detach().float() for k, v in extra.items() if k != "loss"}
+            self._stats = torch.stack([loss_mean, grad_norm.float(), self.loss_total, *extras.values()])
+            self._stat_names = ["loss", "grad_norm", "loss_total", *extras]
 
     def _update_ema(self, weight: float) -> None:
         """The EMA update of this step (``weight`` 0: none is due). On static-graph runtimes (XLA)
@@ -296,7 +303,7 @@ class Trainer:
         """The step closure of a log step: its values, read back once the step's graph ran."""
         cfg = self.cfg
         values = dict(zip(self._stat_names, stats.cpu().tolist()))
-        if values.pop("nonfinite") > 0 and cfg.loop.stop_on_nonfinite:
+        if not math.isfinite(values.pop("loss_total")) and cfg.loop.stop_on_nonfinite:
             self._stop_reason = (
                 f"non-finite loss before step {step} (last loss {values['loss']}); lower optim.lr, set "
                 "loop.clip_grad_norm, or set loop.stop_on_nonfinite=false to continue"
