@@ -7,7 +7,8 @@ non-blocking copies on a GPU. ``--runtime cuda`` runs both on the GPU (``--preci
 by default, timed between synchronizations). The last line is ``ratio=<raytpu/hand-written>``;
 the target is at least 0.97.
 
-    python bench/loop_overhead.py [--job mshnet] [--runtime cpu|cuda] [--steps 20] [--repeats 3]
+    python bench/loop_overhead.py [--job mshnet|cdeit|toy] [--runtime cpu|cuda] [--steps 20] [--repeats 3]
+    python bench/loop_overhead.py --job toy --steps 400 --loader-workers 0   # host work per step
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ from raytpu.worker.loop import Trainer  # noqa: E402
 from raytpu.worker.optim import build_optimizer  # noqa: E402
 from raytpu.worker.reporting import FolderReporter  # noqa: E402
 
-CONFIGS = {"mshnet": "jobs/mshnet/small.yaml", "cdeit": "jobs/cdeit/small.yaml"}
+#: the toy job (a 2-layer MLP on 8 features) has next to no compute: what it measures is each loop's
+#: own host work per step, the case of a small model on a fast GPU
+CONFIGS = {"mshnet": "jobs/mshnet/small.yaml", "cdeit": "jobs/cdeit/small.yaml", "toy": None}
+TOY = ["job.name=tests.toy_job", "job.samples=4096", "job.dropout=0"]
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -192,7 +196,7 @@ def main() -> None:
     args = parser.parse_args()
     data_dir = Path(tempfile.mkdtemp(prefix="bench-data-")) / args.job
     overrides = settings(args.job, data_dir, args.warmup + args.steps, args.batch, args.loader_workers)
-    cfg, job = load_config(CONFIGS[args.job], overrides)
+    cfg, job = load_config(CONFIGS[args.job], (TOY if args.job == "toy" else []) + overrides)
     job.synthesize(data_dir, **job.synth_options(cfg))
     print(
         f"job={args.job} runtime={args.runtime} precision={args.precision} batch={args.batch} steps={args.steps} "
@@ -203,18 +207,25 @@ def main() -> None:
         lambda: raytpu_loop(cfg, job, data_dir, args.warmup, args.steps, args.runtime, args.precision),
         args.repeats,
         "samples/s",
+        args.batch,
     )
 
 
-def side_by_side(bare: Callable[[], float], ours: Callable[[], float], repeats: int, unit: str) -> None:
-    """Alternate the two measurements ``repeats`` times; print each round, the best of each and,
-    last, ``ratio=<raytpu/bare>`` of the bests."""
+def side_by_side(
+    bare: Callable[[], float], ours: Callable[[], float], repeats: int, unit: str, per_step: int = 0
+) -> None:
+    """Alternate the two measurements ``repeats`` times; print each round, the best of each, the
+    milliseconds a step of each (given the ``per_step`` units of a step) and, last,
+    ``ratio=<raytpu/bare>`` of the bests."""
     bests = [0.0, 0.0]
     for repeat in range(repeats):
         rates = [bare(), ours()]
         bests = [max(best, rate) for best, rate in zip(bests, rates)]
         print(f"repeat {repeat}: hand-written {rates[0]:,.2f} {unit}, raytpu {rates[1]:,.2f} {unit}", flush=True)
     print(f"hand-written={bests[0]:,.2f} {unit} raytpu={bests[1]:,.2f} {unit} (best of {repeats})")
+    if per_step:
+        hand, raytpu = (1000 * per_step / best for best in bests)
+        print(f"ms per step: hand-written {hand:.3f}, raytpu {raytpu:.3f} ({raytpu - hand:+.3f})")
     print(f"ratio={bests[1] / bests[0]:.3f}")
 
 
