@@ -52,6 +52,7 @@ LONGEST_FIRST = (
     "test_xla.py",
     "test_integration_ray.py",
     "test_fake_tpu_cluster.py",
+    "test_compile.py",
 )
 
 
