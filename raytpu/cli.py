@@ -1,4 +1,4 @@
-"""``raytpu`` command line: train, test, tune, launch, submit, export, data, doctor.
+"""``raytpu`` command line: train, test, tune, launch, submit, export, runs, data, doctor.
 
 Errors a user can fix are printed as one ``raytpu: error: ...`` line with a
 non-zero exit, never as a traceback.
@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from raytpu.config import with_values
 from raytpu.config.args import ConfigError, Parser, extract, parse_options, take_flag
 from raytpu.config.loading import read_config
 from raytpu.errors import RunFailed, RunStopped
@@ -39,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("config", help="YAML config, e.g. jobs/mshnet/small.yaml")
         cmd.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray instance)")
-        cmd.add_argument("--checkpoint", help="checkpoint dir or weights file (test; or initial weights for train)")
+        cmd.add_argument(
+            "--checkpoint",
+            help="checkpoint dir or weights file (test: or best / latest of the config's run; train: initial weights)",
+        )
         if name == "train":
             cmd.add_argument("--local", action="store_true", help="run in local processes, without Ray")
         cmd.add_argument("--verbose", action="store_true", help="show Ray's own log lines too")
@@ -47,9 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write a checkpoint in its ecosystem's format (Transformers)")
     export.add_argument("config", help="YAML config of the run, e.g. jobs/causal_lm/small.yaml")
-    export.add_argument("--checkpoint", help="checkpoint dir or weights file (required)")
+    export.add_argument("--checkpoint", help="checkpoint dir or weights file, or best / latest of the config's run")
     export.add_argument("--out", help="output folder (required)")
     export.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides, as for train")
+
+    runs = sub.add_parser("runs", help="a run's checkpoints (best, latest, metrics), or the runs under a storage path")
+    runs.add_argument("path", help="a run folder (run.storage_path/run.name) or a run.storage_path; local or a bucket")
 
     data = sub.add_parser("data", help="make, inspect and convert data sets").add_subparsers(
         dest="data_command", required=True
@@ -127,6 +134,11 @@ def dispatch(args: argparse.Namespace, started: float) -> int:
         return data_command(args)
     if args.command == "export":
         return export_command(args)
+    if args.command == "runs":
+        from raytpu.driver.listing import describe
+
+        print(describe(args.path), flush=True)
+        return 0
     if args.command == "launch":
         from raytpu.driver import launch
 
@@ -152,6 +164,7 @@ def dispatch(args: argparse.Namespace, started: float) -> int:
 
 def train_or_test_command(args: argparse.Namespace, started: float) -> int:
     from raytpu.driver import commands
+    from raytpu.driver.listing import NAMED, resolve_checkpoint
 
     switches = ["--local", "--verbose"] if args.command == "train" else ["--verbose"]
     overrides, found = extract(list(args.overrides), valued=["--address", "--checkpoint"], switches=switches)
@@ -160,11 +173,14 @@ def train_or_test_command(args: argparse.Namespace, started: float) -> int:
     local = getattr(args, "local", False) or "--local" in found
     address = found.get("--address", [args.address])[0]
     checkpoint = found.get("--checkpoint", [args.checkpoint])[0]
-    if checkpoint:
+    named = checkpoint if args.command == "test" and checkpoint in NAMED else ""
+    if checkpoint and not named:
         overrides.append(f"checkpoint.weights={checkpoint}")
     if args.command == "test":
         overrides.append("run.mode=test")
     cfg, job, origins = read_config(args.config, overrides)
+    if named:
+        cfg = with_values(cfg, {"checkpoint.weights": resolve_checkpoint(cfg, named)})
     with origins.naming_sources():  # a check on the driver names the file line or flag behind a value
         if cfg.run.mode == "test":
             print(json.dumps(commands.test(cfg, job, address)), flush=True)
@@ -175,10 +191,13 @@ def train_or_test_command(args: argparse.Namespace, started: float) -> int:
 
 def export_command(args: argparse.Namespace) -> int:
     from raytpu.driver.export import export
+    from raytpu.driver.listing import NAMED, resolve_checkpoint
 
     overrides, found = extract(list(args.overrides), valued=["--checkpoint", "--out"])
     cfg, job, origins = read_config(args.config, overrides)
     checkpoint = found.get("--checkpoint", [args.checkpoint])[0]
+    if checkpoint in NAMED:
+        checkpoint = resolve_checkpoint(cfg, checkpoint)
     with origins.naming_sources():
         out = export(cfg, job, checkpoint or "", found.get("--out", [args.out])[0] or "")
     print(f"exported {job.name} weights from {checkpoint} to {out}", flush=True)

@@ -116,6 +116,11 @@ CASES = {  # name: (argv after `raytpu`, text the error line must contain)
     "unknown subcommand": (["trian", SMALL], "invalid choice: 'trian'"),
     "train without config": (["train"], "the following arguments are required: config"),
     "test without weights": (["test", SMALL], "test mode needs weights"),
+    "best of a run that never ended": (
+        ["test", SMALL, "--checkpoint", "best", "run.storage_path=/tmp/raytpu-no-runs", "run.name=never"],
+        "--checkpoint best: the run /tmp/raytpu-no-runs/never has no summary.json",
+    ),
+    "runs of a folder without runs": (["runs", "/tmp/raytpu-no-runs"], "holds no run (no config.yaml) and no runs"),
     "synth without --out": (["data", "synth", "mshnet"], "data synth needs --out DIR"),
     "synth unknown option": (["data", "synth", "mshnet", "--out", "/tmp/x", "--bogus", "3"], "unknown option --bogus"),
     "unknown search domain": (["tune", SMALL, "--search", "optim.lr=normal(0,1)"], "unknown domain 'normal'"),

@@ -172,7 +172,17 @@ def test_a_run_in_gcs_resumes_past_a_damaged_checkpoint_and_tests_from_the_bucke
     assert folder.read_text("config.yaml") and folder.children("tensorboard")
     best = out.split("best checkpoint:")[1].split()[0]
     assert best.startswith(f"gs://{BUCKET}/runs/gcs/checkpoint_")
-    assert cli.main(["test", str(config), "--checkpoint", best, f"run.storage_path={tmp_path}"]) == 0
+    summary = json.loads(folder.read_text("summary.json"))  # the run's records in the bucket
+    assert summary["status"] == "completed" and summary["step"] == 24
+    assert [attempt["outcome"] for attempt in summary["attempts"]] == ["completed", "completed"]
+    assert folder.uri(summary["best_checkpoint"]) == best and summary["latest_checkpoint"] == "checkpoint_00000024"
+    assert cli.main(["runs", folder.location]) == 0
+    listed = capfd.readouterr().out
+    assert f"{summary['best_checkpoint']}" in listed and "<- best" in listed and "completed at " in listed, listed
+    assert cli.main(["runs", f"gs://{BUCKET}/runs"]) == 0
+    assert "gcs " in capfd.readouterr().out
+    bucket_run = [f"run.storage_path=gs://{BUCKET}/runs", "run.name=gcs"]  # --checkpoint best: the run's own
+    assert cli.main(["test", str(config), "--checkpoint", "best", *bucket_run]) == 0
     tested = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
     assert set(tested) == {"test/mse"}
 

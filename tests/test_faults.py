@@ -160,11 +160,15 @@ def test_a_raising_worker_ends_the_run_and_the_rerun_resumes(straight, capfd):
     assert (out + err).count("Traceback (most recent call last)") == 1, err[-3000:]  # the failing rank's, once:
     assert "Error in training function" not in out + err, err[-3000:]
     assert lines[-1].startswith("raytpu: error: rank ") and "fault injected by job.fail_at_step=13" in lines[-1]
+    assert json.loads((tmp_path / "results" / "raised" / "summary.json").read_text())["status"] == "failed"
     assert train(tmp_path, "raised") == 0
     assert "resumed from" in capfd.readouterr().out
     assert_same_weights(tmp_path, "raised")
     record = goodput(tmp_path / "results" / "raised")
     assert [command["outcome"] for command in record["commands"]] == ["failed", "completed"]
+    summary = json.loads((tmp_path / "results" / "raised" / "summary.json").read_text())
+    assert summary["status"] == "completed" and [a["outcome"] for a in summary["attempts"]] == ["failed", "completed"]
+    assert summary["step"] == 24 and summary["best_checkpoint"].startswith("checkpoint_")
     # steps 9-12 (after the checkpoint of step 8) ran in the failed command and again in the resumed
     # one: lost, with the failed command's end; only 8 + 16 steps are productive
     assert record["categories"]["lost"] >= 4 * 0.3, record["categories"]

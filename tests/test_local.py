@@ -42,6 +42,16 @@ def test_two_local_processes_train_fail_resume_and_match(tmp_path, capfd):
     assert len(kept) <= 3 and kept[-1] == "checkpoint_00000008"  # the 2 best by valid/mse and the latest
     latest = run_dir / kept[-1]
     assert {p.name for p in (latest / "rng").iterdir()} == {"rank_0.pt", "rank_1.pt"}  # both ranks' files
+    best = out.split("best checkpoint:")[1].split()[0]
+    assert cli.main(["runs", str(run_dir)]) == 0  # the run's checkpoints, best and latest marked
+    listed = capfd.readouterr().out.splitlines()
+    assert listed[0].startswith(f"run {run_dir}: completed at ") and "after 1 command(s), step 8" in listed[0]
+    rows = {line.split()[0]: line for line in listed[2:]}
+    assert list(rows) == kept and "valid/mse=" in rows[kept[-1]]
+    assert rows[Path(best).name].endswith("<- best") or rows[Path(best).name].endswith("<- best, latest")
+    assert rows[kept[-1]].endswith("latest")
+    assert cli.main(["runs", str(tmp_path)]) == 0  # the runs under the storage path
+    assert any(line.startswith("straight ") and " completed " in line for line in capfd.readouterr().out.splitlines())
 
     assert train(tmp_path, "resumed", "job.fail_at_step=5") == 1
     err = capfd.readouterr().err.strip().splitlines()

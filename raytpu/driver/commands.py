@@ -39,6 +39,7 @@ from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunFailed, RunStopped
 from raytpu.job import Job
 from raytpu.records import devices, goodput
+from raytpu.records import summary as run_summary
 from raytpu.records.batches import recorded_text
 from raytpu.records.goodput import Command
 from raytpu.records.reports import best_of, complete, entry_of, read_report
@@ -60,6 +61,17 @@ class RunSummary:
     metrics: dict[str, float]
     step: int | None
     stopped_by: int | None = None
+    best_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        """What ``summary.json`` keeps of it (``raytpu.records.summary``)."""
+        return {
+            "step": self.step,
+            "latest_checkpoint": self.latest_checkpoint,
+            "best_checkpoint": self.best_checkpoint,
+            "metrics": self.metrics,
+            "best_metrics": self.best_metrics,
+        }
 
     @property
     def tensorboard(self) -> str:
@@ -84,13 +96,20 @@ def summary_of(run_dir: str, reported: list[tuple[str, dict[str, Any]]], mode: s
     entries = [entry_of(path, metrics, order) for order, (path, metrics) in enumerate(reported)]
     best = best_of(entries, mode)
     latest, metrics = reported[-1] if reported else (None, {})
+    best_metrics = dict(reported)[best.name] if best else {}
     return RunSummary(
         run_dir=run_dir,
         latest_checkpoint=latest,
         best_checkpoint=best.name if best else None,
-        metrics={k: v for k, v in metrics.items() if "/" in k},
+        metrics=scalars_of(metrics),
         step=metrics.get("step"),
+        best_metrics=scalars_of(best_metrics),
     )
+
+
+def scalars_of(metrics: dict[str, Any]) -> dict[str, float]:
+    """The ``split/name`` metrics of a report (not its bookkeeping: step, score, report count)."""
+    return {k: v for k, v in metrics.items() if "/" in k}
 
 
 # ------------------------------------------------------------------ the plan
@@ -196,10 +215,12 @@ def train(
     except BaseException:
         leave(keep=instances)
         with contextlib.suppress(OSError):  # a store that stopped answering keeps the record it has
-            goodput.end(folder, command, "failed")
+            run_summary.write(folder, "failed", {}, goodput.end(folder, command, "failed"))
         raise
     leave(keep=instances)
-    record = goodput.end(folder, command, "stopped" if summary.stopped_by else "completed")
+    outcome = "stopped" if summary.stopped_by else "completed"
+    record = goodput.end(folder, command, outcome)
+    run_summary.write(folder, outcome, summary.record(), record)
     write_goodput_scalars(folder, record, summary.step or 0)
     found = recorded_text(folder, plan.batch.global_batch)
     ran = devices.read(folder)
