@@ -101,6 +101,38 @@ def test_tensorboard_reads_the_events_of_a_run_in_s3(stores, tmp_path):
     assert [event.step for event in events.Scalars("train/loss")] == [0, 1, 2]
 
 
+def test_a_run_in_s3_shows_its_curves_while_an_epoch_runs(stores, tmp_path):
+    """``logging.flush_every_s``: the toy job in-process, its run folder in S3, one 32-step epoch of
+    0.1 s steps; at step 24 (2.4 s in), the bucket's events already hold the steps logged about a
+    second before, although nothing evaluated yet (the other copy-up point)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from raytpu.config import load_config
+    from raytpu.hooks import Callback
+    from raytpu.runtime import make_runtime
+    from raytpu.worker.loop import Trainer
+    from raytpu.worker.reporting import FolderReporter
+
+    location = f"s3://{BUCKET}/live-{tmp_path.name}"
+    seen: dict[int, list[int]] = {}
+
+    class ReadTheBucket(Callback):
+        def on_step_end(self, trainer, step: int) -> None:
+            if step == 24:
+                events = EventAccumulator(join(location, "tensorboard")).Reload()
+                seen[step] = [event.step for event in events.Scalars("train/loss")] if events.Tags()["scalars"] else []
+
+    overrides = ["job.name=tests.toy_job", "job.samples=256", "job.step_sleep=0.1", "data.global_batch_size=8"]
+    overrides += ["loop.log_every=1", "logging.progress_bar=false", "logging.flush_every_s=0.5", "loop.epochs=1"]
+    cfg, job = load_config(None, overrides)
+    runtime = make_runtime("cpu", "fp32", 1, 0, 0)
+    reporter = FolderReporter(tmp_path / "checkpoints")
+    Trainer(cfg, job, runtime, location, tmp_path, reporter, callbacks=[ReadTheBucket()]).fit()
+    assert seen[24] and max(seen[24]) >= 10, seen  # copied up mid-epoch, by the logger's own thread
+    final = EventAccumulator(join(location, "tensorboard")).Reload().Scalars("train/loss")
+    assert max(event.step for event in final) == 32
+
+
 # ------------------------------------------------------------------ a multi-node cluster on S3
 @pytest.mark.integration
 def test_a_run_in_s3_on_three_nodes_resumes_after_a_kill_bit_identical_to_a_local_run(stores, tmp_path):

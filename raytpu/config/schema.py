@@ -132,6 +132,7 @@ class LoggingSettings:
     eval_images: int = 4  # images per eval written to TensorBoard (0 = none)
     verbose: bool = False  # show Ray's own INFO lines (reports, checkpoints, scheduling) too
     hparams: bool = True  # the config's values in TensorBoard's HPARAMS tab once training completes
+    flush_every_s: float = 60.0  # a run in a bucket: its TensorBoard events copied up this often (0: at evals only)
 
 
 @dataclass(frozen=True)

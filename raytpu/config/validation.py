@@ -67,6 +67,7 @@ LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "checkpoint.num_to_keep": (1, True),
     "checkpoint.max_failures": (-1, True),
     "logging.eval_images": (0, True),
+    "logging.flush_every_s": (0, True),
     "tune.num_samples": (1, True),
     "tune.max_t": (0, True),
     "tune.grace_period": (1, True),

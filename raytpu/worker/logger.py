@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -17,21 +18,36 @@ TENSORBOARD = "tensorboard"
 
 class RunLogger:
     """Writes scalars/images to TensorBoard and drives a tqdm bar; silent off rank 0. The event files
-    go to the run folder's ``tensorboard/`` (staged locally and copied at every flush when the run
-    folder is a bucket)."""
+    go to the run folder's ``tensorboard/``: in a bucket they are staged locally and copied up at
+    every flush (each evaluation) and, so that TensorBoard shows a run's curves while an epoch runs,
+    every ``flush_every_s`` seconds by a thread of their own, off the training path."""
 
     def __init__(
-        self, folder: RunFolder, enabled: bool, tensorboard: bool, progress_bar: bool, total: int, initial: int
+        self,
+        folder: RunFolder,
+        enabled: bool,
+        tensorboard: bool,
+        progress_bar: bool,
+        total: int,
+        initial: int,
+        flush_every_s: float = 0.0,
     ) -> None:
         self.enabled, self.folder = enabled, folder
         self.writer = None
         self.bar = None
+        self._closing = threading.Event()
+        self._uploader: threading.Thread | None = None
         if not enabled:
             return
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(folder.local(TENSORBOARD)))
+            self.writer = SummaryWriter(log_dir=str(folder.local(TENSORBOARD)), flush_secs=flush_every_s or 120)
+            if folder.remote and flush_every_s > 0:
+                self._uploader = threading.Thread(
+                    target=self._upload_every, args=(flush_every_s,), name="raytpu-tensorboard-upload", daemon=True
+                )
+                self._uploader.start()
         if progress_bar:
             self.bar = tqdm(
                 total=total, initial=initial, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True
@@ -93,7 +109,19 @@ class RunLogger:
             self.writer.flush()
             self.folder.sync(TENSORBOARD)
 
+    def _upload_every(self, seconds: float) -> None:
+        """Copy the event files up every ``seconds`` until the logger closes; a store that does not
+        answer for a while costs this thread a round, never the step."""
+        while not self._closing.wait(seconds):
+            try:
+                self.flush()
+            except OSError as exc:
+                print(f"warning: TensorBoard events not copied to {self.folder.location} this round ({exc})")
+
     def close(self) -> None:
+        self._closing.set()
+        if self._uploader is not None:
+            self._uploader.join()
         if self.bar is not None:
             self.bar.close()
         if self.writer is not None:

@@ -178,6 +178,7 @@ class Trainer:
             cfg.logging.progress_bar,
             self.total_steps,
             self.progress.step,
+            cfg.logging.flush_every_s,
         )
         self.logger.config(dump_yaml(cfg), self.progress.step)
         try:
