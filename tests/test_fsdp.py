@@ -91,21 +91,45 @@ def flags(*words: str):
     return cfg
 
 
+def on_xla(cfg):
+    return resolve_config(cfg, "xla", "bf16", batch=False)
+
+
 def test_fsdp_full_shard_puts_every_device_on_the_fsdp_axis_unless_the_mesh_says_otherwise():
     cfg = flags("--fsdp", "full_shard auto_wrap")
+    assert cfg.sharding.strategy == "full_shard"
+    cfg = on_xla(cfg)
     assert cfg.xla.spmd and (cfg.xla.mesh.data, cfg.xla.mesh.fsdp) == (-1, -1)
     assert mesh_shape(8, cfg.xla.mesh.data, cfg.xla.mesh.fsdp) == (1, 8)
     assert mesh_shape(8, 2, -1) == (2, 4) and mesh_shape(8, -1, 4) == (2, 4)
-    assert not flags("--fsdp", "false").xla.spmd
+    assert on_xla(flags("--fsdp", "full_shard", "xla.mesh.fsdp=2")).xla.mesh.fsdp == 2
+    assert not on_xla(flags("--fsdp", "false")).xla.spmd
+    assert flags("--fsdp", "false").sharding.strategy == "none"
+
+
+def test_an_fsdp_mesh_on_xla_is_sharding_too():
+    cfg = on_xla(flags("xla.spmd=true", "xla.mesh.fsdp=4"))
+    assert cfg.sharding.strategy == "full_shard"
 
 
 def test_fsdp_config_json_or_file_sets_the_unit_and_gradient_checkpointing(tmp_path, capsys):
     settings = {**FSDP_CONFIG, "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer", "min_num_params": 0}
     cfg = flags("--fsdp", "full_shard", "--fsdp_config", json.dumps(settings))
-    assert cfg.xla.grad_ckpt and cfg.xla.fsdp_layers == ["LlamaDecoderLayer"]
+    assert cfg.sharding.activation_checkpointing and cfg.sharding.layers == ["LlamaDecoderLayer"]
     assert "--fsdp_config min_num_params is ignored" in capsys.readouterr().err
     (tmp_path / "fsdp.json").write_text(json.dumps({**FSDP_CONFIG, "xla_fsdp_grad_ckpt": False}))
-    assert not flags("--fsdp_config", str(tmp_path / "fsdp.json")).xla.grad_ckpt
+    assert not flags("--fsdp_config", str(tmp_path / "fsdp.json")).sharding.activation_checkpointing
+    torch_fsdp = {"fsdp_version": 2, "activation_checkpointing": True}  # Accelerate's and Transformers' FSDP2 keys
+    assert flags("--fsdp", "full_shard", "--fsdp_config", json.dumps(torch_fsdp)).sharding.activation_checkpointing
+
+
+def test_the_earlier_xla_names_of_the_sharding_keys_are_still_read(tmp_path):
+    cfg = flags("xla.fsdp_layers=[LlamaDecoderLayer]", "xla.grad_ckpt=true")
+    assert cfg.sharding.layers == ["LlamaDecoderLayer"] and cfg.sharding.activation_checkpointing
+    path = tmp_path / "old.yaml"
+    path.write_text("job: {name: causal_lm}\nxla: {spmd: true, fsdp_layers: [LlamaDecoderLayer], grad_ckpt: true}\n")
+    cfg, _ = load_config(str(path))
+    assert cfg.sharding.layers == ["LlamaDecoderLayer"] and cfg.sharding.activation_checkpointing and cfg.xla.spmd
 
 
 def test_fsdp_in_the_yaml_training_arguments_section(tmp_path):
@@ -118,15 +142,16 @@ def test_fsdp_in_the_yaml_training_arguments_section(tmp_path):
         "  gradient_checkpointing: true\n"
     )
     cfg, _ = load_config(str(path))
-    assert cfg.xla.spmd and cfg.xla.mesh.fsdp == -1 and cfg.xla.grad_ckpt and cfg.job.gradient_checkpointing
+    assert cfg.sharding.strategy == "full_shard" and cfg.sharding.activation_checkpointing
+    cfg = on_xla(cfg)
+    assert cfg.xla.spmd and cfg.xla.mesh.fsdp == -1 and not cfg.job.gradient_checkpointing
 
 
 @pytest.mark.parametrize(
     "words, message",
     [
-        (["--fsdp", "full_shard offload"], "--fsdp offload is not supported: raytpu's FSDP is torch_xla's FSDPv2"),
-        (["--fsdp_config", '{"xla": false}'], 'set "xla": true and "xla_fsdp_v2": true'),
-        (["--fsdp_config", '{"xla": true, "xla_fsdp_v2": false}'], "FSDPv1 and torch FSDP are not offered"),
+        (["--fsdp", "full_shard offload"], "--fsdp offload is not supported: raytpu shards with FSDP2"),
+        (["--fsdp_config", '{"fsdp_version": 1}'], "raytpu shards with FSDP2 (version 2) only"),
         (["--fsdp_config", "missing.json"], "is neither a JSON object nor a JSON file"),
         (["--fsdp_config", "[1, 2]"], "is not a JSON object"),
     ],
@@ -136,12 +161,16 @@ def test_fsdp_flags_raytpu_cannot_honour_are_errors(words, message):
         flags(*words)
 
 
-@pytest.mark.parametrize("runtime, job_ckpt, xla_ckpt", [("xla", False, True), ("cpu", True, False)])
-def test_gradient_checkpointing_on_xla_is_torch_xlas(runtime, job_ckpt, xla_ckpt):
+@pytest.mark.parametrize(
+    "runtime, words, job_ckpt, unit_ckpt",
+    [("xla", [], False, True), ("cpu", [], True, False), ("cpu", ["--fsdp", "full_shard"], False, True)],
+)
+def test_gradient_checkpointing_of_a_sharded_model_is_the_runtimes(runtime, words, job_ckpt, unit_ckpt):
     """On xla ``--gradient_checkpointing`` becomes torch_xla's checkpoint of each decoder layer
-    (a plain torch.utils.checkpoint is undone by XLA's CSE); elsewhere it stays Transformers'."""
-    cfg = resolve_config(flags("--gradient_checkpointing"), runtime, "fp32")
-    assert (cfg.job.gradient_checkpointing, cfg.xla.grad_ckpt) == (job_ckpt, xla_ckpt)
+    (a plain torch.utils.checkpoint is undone by XLA's CSE), under FSDP2 a checkpoint inside each
+    unit; a data-parallel model on cpu and cuda keeps Transformers' own."""
+    cfg = resolve_config(flags("--gradient_checkpointing", *words), runtime, "fp32")
+    assert (cfg.job.gradient_checkpointing, cfg.sharding.activation_checkpointing) == (job_ckpt, unit_ckpt)
 
 
 # --------------------------------------------------------------------- XLA

@@ -36,8 +36,16 @@ def profile_window(value: Any) -> list[tuple[str, Any]]:
         raise ConfigError(f"--profile {value}: give the steps to trace as FIRST:LAST, e.g. --profile 10:12") from None
 
 
+#: keys under their earlier names, still read (in a file and on the command line): old -> new
+RENAMED_KEYS = {
+    "xla.fsdp_layers": "sharding.layers",
+    "xla.grad_ckpt": "sharding.activation_checkpointing",
+}
+
+
 #: flags and short keys every job accepts: alias -> dotted key
 COMMON_ALIASES: dict[str, Alias] = {
+    **RENAMED_KEYS,
     "--profile": Flag(convert=profile_window, text=True),
     "runtime": "scaling.runtime",
     "num_workers": "scaling.num_workers",
@@ -70,6 +78,7 @@ def read_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         origins = Origins(yaml_lines(path, text))
+    move_renamed_keys(raw)
     job_section = raw.get("job") or {}
     if isinstance(job_section, str):
         job_section = {"name": job_section}
@@ -91,6 +100,19 @@ def read_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         cfg = read_buckets_through_ray_data(cfg, job)
         validate(cfg, job)
     return cfg, job, origins
+
+
+def move_renamed_keys(raw: dict[str, Any]) -> None:
+    """A file's keys under their earlier names (:data:`RENAMED_KEYS`) moved to the current ones, in place."""
+    for old, new in RENAMED_KEYS.items():
+        old_section, old_key = old.split(".")
+        section = raw.get(old_section)
+        if isinstance(section, dict) and old_key in section:
+            new_section, new_key = new.split(".")
+            target = raw.setdefault(new_section, {}) or {}
+            raw[new_section] = target
+            if isinstance(target, dict):
+                target.setdefault(new_key, section.pop(old_key))
 
 
 def read_buckets_through_ray_data(cfg: Config, job: Job) -> Config:

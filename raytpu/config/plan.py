@@ -215,15 +215,40 @@ def resolve_config(
     compiled = "true" if compiles(runtime, cfg.loop.compile) else "false"
     settled = {"scaling.runtime": runtime, "scaling.precision": precision, "loop.compile": compiled}
     cfg = with_values(cfg, {**settled, **placed(cfg, placement)})
+    cfg = with_values(cfg, sharded(cfg, runtime, precision))
     values: dict[str, Any] = per_device_batches(cfg)
-    if runtime == "xla" and getattr(cfg.job, "gradient_checkpointing", False):
-        # XLA's common-subexpression elimination merges a plain checkpoint's recomputation back into
-        # the forward, saving no memory: torch_xla's own puts an optimization barrier in its way
-        values.update({"job.gradient_checkpointing": False, "xla.grad_ckpt": True})
+    if getattr(cfg.job, "gradient_checkpointing", False) and (runtime == "xla" or cfg.sharding.strategy != "none"):
+        # the runtime checkpoints each sharded unit itself: on xla torch_xla's checkpoint, since XLA's
+        # common-subexpression elimination merges a plain checkpoint's recomputation back into the
+        # forward; under FSDP2 a non-reentrant checkpoint inside each unit's all-gather
+        values.update({"job.gradient_checkpointing": False, "sharding.activation_checkpointing": True})
     resolved = with_values(cfg, values)
     if batch:
         BatchPlan.of(resolved)  # checks the split
     return resolved
+
+
+def sharded(cfg: Config, runtime: str, precision: str) -> dict[str, Any]:
+    """``sharding`` as ``runtime`` runs it: on xla, FSDPv2 over the SPMD mesh's ``fsdp`` axis (every
+    device unless ``xla.mesh.fsdp`` says otherwise), and a mesh with ``fsdp > 1`` is sharding too; on
+    cpu and cuda, FSDP2, which computes in bf16 or fp32 and keeps no EMA copy of a sharded model."""
+    strategy = cfg.sharding.strategy
+    if runtime == "xla":
+        if strategy == "full_shard" and cfg.xla.mesh.fsdp == 1:
+            return {"xla.spmd": True, "xla.mesh.fsdp": -1}
+        return {"sharding.strategy": "full_shard"} if cfg.xla.spmd and cfg.xla.mesh.fsdp != 1 else {}
+    if strategy == "none":
+        return {}
+    if precision == "fp16":
+        raise ConfigError(
+            "sharding.strategy=full_shard computes in bf16 or fp32, and this GPU has no bf16: set "
+            "scaling.precision=fp32"
+        )
+    if cfg.loop.ema_beta:
+        raise ConfigError(
+            "loop.ema_beta: an EMA copy of a sharded model is not kept; set loop.ema_beta=0 or sharding.strategy=none"
+        )
+    return {}
 
 
 def placed(cfg: Config, placement: Placement | None) -> dict[str, Any]:

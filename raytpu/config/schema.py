@@ -33,6 +33,7 @@ class ScalingSettings:
     num_workers: int = 1
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     tf32: bool = True  # cuda: TF32 tensor cores for the matmuls and convolutions left in fp32
+    device_memory_gb: float = 0.0  # each device's memory for the estimate (0: the device's own, or its kind's)
     cpus_per_worker: float = 1.0
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     tpu: TPUSettings = field(default_factory=TPUSettings)
@@ -54,9 +55,19 @@ class XLASettings:
     compile_cache: str = ""  # "" = <run dir>/xla_cache; "none" disables it
     strict_recompile: bool = False
     debug_metrics: bool = False
-    # FSDPv2's wrapping units by class name ([] = the model's _no_split_modules: decoder layers)
-    fsdp_layers: list[str] = field(default_factory=list)
-    grad_ckpt: bool = False  # torch_xla's gradient checkpointing of each unit (Transformers' xla_fsdp_grad_ckpt)
+
+
+@dataclass(frozen=True)
+class ShardingSettings:
+    """The model sharded over the data-parallel workers: FSDP2 (``fully_shard``) on cpu and cuda,
+    FSDPv2 over the SPMD mesh's ``fsdp`` axis on xla (docs/sharding.md)."""
+
+    strategy: str = "none"  # none | full_shard (--fsdp full_shard)
+    # the units sharded one by one, by class name ([] = the model's _no_split_modules: decoder layers);
+    # formerly xla.fsdp_layers
+    layers: list[str] = field(default_factory=list)
+    # recompute each unit's activations in the backward (formerly xla.grad_ckpt; --gradient_checkpointing)
+    activation_checkpointing: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,6 +170,7 @@ class Config:
     run: RunSettings = field(default_factory=RunSettings)
     scaling: ScalingSettings = field(default_factory=ScalingSettings)
     xla: XLASettings = field(default_factory=XLASettings)
+    sharding: ShardingSettings = field(default_factory=ShardingSettings)
     data: DataSettings = field(default_factory=DataSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     loop: LoopSettings = field(default_factory=LoopSettings)

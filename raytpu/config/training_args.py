@@ -117,40 +117,46 @@ FSDP_MODES = {"full_shard", "shard_grad_op", "auto_wrap"}
 
 
 def fsdp(value: Any) -> Pairs:
-    """``--fsdp full_shard [auto_wrap]``: FSDPv2 on the SPMD mesh, every device on the ``fsdp`` axis
-    unless ``xla.mesh`` says otherwise; ``""`` / ``false``: none."""
+    """``--fsdp full_shard [auto_wrap]``: the model sharded on every runtime (``sharding.strategy``:
+    FSDP2 on cpu and cuda, FSDPv2 over every device of the SPMD mesh on xla); ``""`` / ``false``: none."""
     words = value if isinstance(value, list) else str(value).replace(",", " ").split()
     if value is False or words in ([], ["false"], ["no"], ["none"]):
         return []
     unsupported = [word for word in words if word not in FSDP_MODES]
     if unsupported:
         raise ConfigError(
-            f"--fsdp {' '.join(unsupported)} is not supported: raytpu's FSDP is torch_xla's FSDPv2 "
-            "(--fsdp full_shard; CPU offload and hybrid sharding are not offered)"
+            f"--fsdp {' '.join(unsupported)} is not supported: raytpu shards with FSDP2 on cpu and cuda and "
+            "FSDPv2 on xla (--fsdp full_shard; CPU offload and hybrid sharding are not offered)"
         )
     if "shard_grad_op" in words:
-        warn("--fsdp shard_grad_op runs as full_shard: FSDPv2 shards parameters, gradients and optimizer state")
-    return [("xla.spmd", True), ("xla.mesh.fsdp", -1)]
+        warn("--fsdp shard_grad_op runs as full_shard: parameters, gradients and optimizer state are all sharded")
+    return [("sharding.strategy", "full_shard")]
+
+
+#: --fsdp_config keys (Transformers' names, without their fsdp_ prefix) -> raytpu keys
+FSDP_CONFIG_KEYS = {
+    "xla_fsdp_grad_ckpt": "sharding.activation_checkpointing",
+    "activation_checkpointing": "sharding.activation_checkpointing",
+    "transformer_layer_cls_to_wrap": "sharding.layers",
+}
 
 
 def fsdp_config(value: Any) -> Pairs:
     """``--fsdp_config`` as Transformers takes it: a JSON object, or a JSON file's path; keys may
-    carry Transformers' ``fsdp_`` prefix."""
+    carry Transformers' ``fsdp_`` prefix. ``xla`` / ``xla_fsdp_v2`` / ``version`` need no key: the
+    runtime picks FSDPv2 on xla and FSDP2 elsewhere."""
     settings = value if isinstance(value, dict) else read_json_object(str(value))
     settings = {key.removeprefix("fsdp_"): item for key, item in settings.items()}
-    if settings.get("xla") is False or settings.get("xla_fsdp_v2") is False:
-        raise ConfigError(
-            "--fsdp_config: raytpu's FSDP is torch_xla's FSDPv2 on the SPMD mesh; "
-            'set "xla": true and "xla_fsdp_v2": true (FSDPv1 and torch FSDP are not offered)'
-        )
+    if settings.get("version") not in (None, 2, "2"):
+        raise ConfigError(f"--fsdp_config version {settings['version']}: raytpu shards with FSDP2 (version 2) only")
     pairs: Pairs = []
     for key, item in settings.items():
-        if key == "xla_fsdp_grad_ckpt":
-            pairs.append(("xla.grad_ckpt", bool(item)))
-        elif key == "transformer_layer_cls_to_wrap":
-            pairs.append(("xla.fsdp_layers", [item] if isinstance(item, str) else list(item)))
-        elif key not in ("xla", "xla_fsdp_v2"):
-            warn(f"--fsdp_config {key} is ignored: raytpu wraps each decoder layer (or the xla.fsdp_layers classes)")
+        if key == "transformer_layer_cls_to_wrap":
+            pairs.append(("sharding.layers", [item] if isinstance(item, str) else list(item)))
+        elif key in FSDP_CONFIG_KEYS:
+            pairs.append((FSDP_CONFIG_KEYS[key], bool(item)))
+        elif key not in ("xla", "xla_fsdp_v2", "version"):
+            warn(f"--fsdp_config {key} is ignored: raytpu shards each decoder layer (or the sharding.layers classes)")
     return pairs
 
 

@@ -3,8 +3,10 @@
 A checkpoint directory holds
 
 * ``model.safetensors``: the model weights (and ``ema.safetensors`` with EMA),
-  readable without raytpu;
-* ``train_state.pt``: optimizer, scheduler, scaler, counters (rank 0);
+  readable without raytpu; or, from a sharded run (FSDP2), ``sharded/``: the model and
+  optimizer state as ``torch.distributed.checkpoint`` writes it, each rank its own shards
+  (``__<rank>_0.distcp``) and rank 0 the index (``.metadata``), readable by any number of ranks;
+* ``train_state.pt``: optimizer (unsharded runs), scheduler, scaler (rank 0);
 * ``rng/rank_<r>.pt``: each worker's RNG state (every rank writes its own; Ray
   merges the workers' directories into one checkpoint);
 * ``meta.json``: step, epoch, metrics; written last, so a directory without it
@@ -42,6 +44,13 @@ EMA = "ema.safetensors"
 
 
 TRAIN_STATE = "train_state.pt"
+
+
+SHARDED = "sharded"
+
+
+#: the file ``torch.distributed.checkpoint`` writes last, once every rank's shards are in
+SHARDED_INDEX = f"{SHARDED}/.metadata"
 
 
 class CheckpointError(ValueError):
@@ -96,7 +105,12 @@ def load_torch(path: Path) -> Any:
 
 
 def is_complete(directory: Path) -> bool:
-    return (directory / META).is_file() and (directory / MODEL).is_file()
+    weights = (directory / MODEL).is_file() or (directory / SHARDED_INDEX).is_file()
+    return (directory / META).is_file() and weights
+
+
+def is_sharded(directory: Path) -> bool:
+    return (directory / SHARDED_INDEX).is_file()
 
 
 def read_meta(directory: Path) -> dict[str, Any]:
@@ -172,11 +186,30 @@ def load_model_weights(location: str | Path, prefer_ema: bool = True) -> dict[st
         return _load_weights(path, prefer_ema)
 
 
+def load_sharded_model(folder: Path) -> dict[str, torch.Tensor]:
+    """The whole model of a sharded checkpoint, in this one process: every ``model.*`` entry of
+    the index, read from the ranks' shards at its full size (the optimizer's entries are not read)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    model = {
+        key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in entries.items()
+        if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+    }
+    state = {"model": model}
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    return state["model"]
+
+
 def _load_weights(path: Path, prefer_ema: bool) -> dict[str, torch.Tensor]:
     if not path.exists():
         raise CheckpointError(f"weights {str(path)!r} not found; pass a checkpoint directory or a weights file")
     if path.is_dir():
         read_meta(path)
+        if is_sharded(path):
+            return load_sharded_model(path / SHARDED)
         chosen = path / EMA if prefer_ema and (path / EMA).is_file() else path / MODEL
         return load_file(chosen)
     if path.suffix == ".safetensors":

@@ -45,11 +45,13 @@ def make_runtime(
     warn: Callable[[str], None] = warnings.warn,
     compile_mode: str = "",
     tf32: bool = True,
+    sharding: Any = None,
 ) -> Runtime:
     """Build the plan's runtime on this worker. What only the device can tell is decided here, once:
     a GPU without bf16 runs ``bf16`` as fp16 with a gradient scaler (said through ``warn``; the
     worker records what ran). ``compile_cache``: XLA's persistent cache folder ("" or "none": none);
-    ``compile_mode``: torch.compile's mode on cpu and cuda ("": eager); ``tf32``: on cuda."""
+    ``compile_mode``: torch.compile's mode on cpu and cuda ("": eager); ``tf32``: on cuda;
+    ``sharding``: the ``sharding`` settings (FSDP2 on cpu and cuda when its strategy shards)."""
     if runtime == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             "scaling.runtime=cuda but this worker sees no GPU: check the node's GPU (nvidia-smi, "
@@ -62,5 +64,9 @@ def make_runtime(
     if runtime == "xla":
         from raytpu.runtime.xla import XLARuntime  # imports torch_xla: only on XLA workers
 
-        return XLARuntime(resolved, world_size, rank, local_rank, xla_options, compile_cache)
+        return XLARuntime(resolved, world_size, rank, local_rank, xla_options, compile_cache, sharding)
+    if sharding is not None and sharding.strategy != "none":
+        from raytpu.runtime.torch_fsdp import FSDPRuntime
+
+        return FSDPRuntime(runtime, resolved, world_size, rank, local_rank, compile_mode, tf32, sharding)
     return DDPRuntime(runtime, resolved, world_size, rank, local_rank, compile_mode, tf32)

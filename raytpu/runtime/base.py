@@ -120,6 +120,9 @@ class Runtime:
     name = "base"
     #: steps are traced and compiled (XLA): every step should run the same graph
     static_graph = False
+    #: the model is sharded over the workers (FSDP2): every forward is a collective that all ranks run,
+    #: and checkpoints are written shard by shard
+    sharded = False
 
     def __init__(self, precision: str, world_size: int, rank: int, local_rank: int) -> None:
         self.precision = precision
@@ -228,6 +231,12 @@ class Runtime:
     def device_loader(self, loader: Iterable, sample: dict[str, torch.Tensor] | None = None) -> Iterator:
         for batch in loader:
             yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def even_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+        """``(batch, counted)`` for each batch; a sharded runtime pads the ranks with fewer batches
+        with uncounted repeats, so that every rank runs the same forwards."""
+        for batch in batches:
+            yield batch, True
 
     # ----------------------------------------------------------- reductions
     def all_reduce_sum(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,11 +1,12 @@
-"""What FSDPv2 wraps and how its checkpoints stay plain: pure torch, tested without torch_xla.
+"""What a sharded model shards unit by unit, and how FSDPv2's checkpoints stay plain: pure torch,
+tested without torch_xla.
 
-FSDPv2 (torch_xla's ``SpmdFullyShardedDataParallel``) shards each wrapped unit's parameters on
-the mesh's ``fsdp`` axis; wrapping the model's repeated blocks (a Transformers model's decoder
-layers) instead of only the whole model lets XLA gather one block's weights at a time. The
-unit is named by class, as Transformers' ``fsdp_config["transformer_layer_cls_to_wrap"]`` does,
-and defaults to the classes a Transformers model declares in ``_no_split_modules`` (the same
-default as Transformers' Trainer and Accelerate).
+FSDPv2 (torch_xla's ``SpmdFullyShardedDataParallel``) on xla and FSDP2 (``fully_shard``) on cpu
+and cuda shard each unit's parameters on their own; sharding the model's repeated blocks (a
+Transformers model's decoder layers) instead of only the whole model lets one block's weights be
+gathered at a time. The unit is named by class (``sharding.layers``), as Transformers'
+``fsdp_config["transformer_layer_cls_to_wrap"]`` does, and defaults to the classes a Transformers
+model declares in ``_no_split_modules`` (the same default as Transformers' Trainer and Accelerate).
 
 A wrapper keeps its module as ``_orig_module``, which would put ``_orig_module.`` into every
 parameter name under it. :func:`plain_state_dict_names` hides it, so that a checkpoint of a
@@ -21,9 +22,14 @@ from torch import nn
 
 WRAPPED = "_orig_module."
 
+NO_UNITS = (
+    "sharding.activation_checkpointing checkpoints the model's repeated blocks, and this model declares "
+    "none: set sharding.layers to their class names"
+)
+
 
 def wrapping_units(model: nn.Module, class_names: list[str]) -> set[type[nn.Module]]:
-    """The module classes wrapped one by one: ``class_names`` (``xla.fsdp_layers``), else the
+    """The module classes wrapped one by one: ``class_names`` (``sharding.layers``), else the
     model's ``_no_split_modules``; empty when neither names any (the whole model is one unit)."""
     names = list(class_names) or list(getattr(model, "_no_split_modules", None) or [])
     classes = {type(module).__name__: type(module) for module in model.modules()}
@@ -31,7 +37,7 @@ def wrapping_units(model: nn.Module, class_names: list[str]) -> set[type[nn.Modu
     if missing:
         known = ", ".join(sorted(name for name in classes if name != type(model).__name__)[:12])
         raise ValueError(
-            f"xla.fsdp_layers: the model has no module of class {', '.join(missing)}; its module classes "
+            f"sharding.layers: the model has no module of class {', '.join(missing)}; its module classes "
             f"include {known}"
         )
     return {classes[name] for name in names}

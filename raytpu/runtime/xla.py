@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytpu.runtime.base import RecompileError, Runtime, batchnorm_scope, clip_or_measure, tpu_present
-from raytpu.runtime.fsdp import plain_state_dict_names, units_of, wrapping_units
+from raytpu.runtime.fsdp import NO_UNITS, plain_state_dict_names, units_of, wrapping_units
 from raytpu.runtime.peaks import gpu_peak_flops, tpu_peak_flops
 
 
@@ -40,9 +40,20 @@ class XLARuntime(Runtime):
     static_graph = True
 
     def __init__(
-        self, precision: str, world_size: int, rank: int, local_rank: int, options: Any = None, compile_cache: str = ""
+        self,
+        precision: str,
+        world_size: int,
+        rank: int,
+        local_rank: int,
+        options: Any = None,
+        compile_cache: str = "",
+        sharding: Any = None,
     ) -> None:
+        """``options``: the ``xla`` settings; ``sharding``: the ``sharding`` settings (FSDPv2's units
+        and their activation checkpointing)."""
         super().__init__(precision, world_size, rank, local_rank)
+        self.layers = list(sharding.layers) if sharding else []
+        self.activation_checkpointing = bool(sharding and sharding.activation_checkpointing)
         if not tpu_present():
             os.environ.setdefault("PJRT_DEVICE", "CPU")
         os.environ["USE_TORCH_XLA"] = "1"  # Transformers' XLA code paths (the driver turns them off for itself)
@@ -113,14 +124,10 @@ class XLARuntime(Runtime):
         from torch_xla.distributed.fsdp import checkpoint_module
 
         model = model.to(self.device)
-        layers = self.options.fsdp_layers if self.options else []
-        grad_ckpt = bool(self.options and self.options.grad_ckpt)
-        units = wrapping_units(model, layers) if self.fsdp or grad_ckpt else set()
+        grad_ckpt = self.activation_checkpointing
+        units = wrapping_units(model, self.layers) if self.fsdp or grad_ckpt else set()
         if grad_ckpt and not units:
-            raise ValueError(
-                "xla.grad_ckpt checkpoints the model's repeated blocks, and this model declares none: "
-                "set xla.fsdp_layers to their class names"
-            )
+            raise ValueError(NO_UNITS)
         for unit in units_of(model, units) if grad_ckpt else []:
             checkpoint_module(unit)  # in place: the unit's forward runs under torch_xla's checkpoint
         return self._shard(model, units) if self.fsdp else model

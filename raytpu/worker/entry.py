@@ -67,6 +67,7 @@ def work(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | 
         cache,
         compile_mode=compile_mode,
         tf32=scaling.tf32,
+        sharding=cfg.sharding,
     )
     folder = RunFolder(plan.run_dir)
     if runtime.is_main:

@@ -353,18 +353,20 @@ class Trainer:
         ctx = StepContext(epoch=epoch, step=self.progress.step, training=False, config=self.cfg, split=split)
         totals: dict[str, torch.Tensor] = {}
         images = {}
-        for index, batch in enumerate(rt.device_loader(self.data.eval_batches(split))):
+        drawn = rt.is_main or rt.sharded  # a sharded model's forward needs every rank; rank 0's result is kept
+        batches = rt.even_batches(rt.device_loader(self.data.eval_batches(split)))
+        for index, (batch, counted) in enumerate(batches):
             with rt.autocast():
                 stats = self.job.eval_step(model, batch, ctx)
-                if index == 0 and rt.is_main and self.cfg.logging.eval_images and self.logger is not None:
+                if index == 0 and drawn and self.cfg.logging.eval_images and self.logger is not None:
                     images = self._images(model, batch, ctx)
-            for key, value in stats.items():
+            for key, value in stats.items() if counted else ():
                 totals[key] = totals[key] + value if key in totals else value
             rt.mark_step()
         metrics = self.job.finish_eval(rt.all_reduce_sum(totals))
         metrics = {f"{split}/{k}": float(v) for k, v in metrics.items()}
         if self.logger is not None:
-            texts = self._texts(model, ctx) if rt.is_main and split == "valid" else {}
+            texts = self._texts(model, ctx) if drawn and split == "valid" else {}
             self.logger.scalars(metrics, self.progress.step)
             self.logger.images({f"{split}/{k}": v for k, v in images.items()}, self.progress.step)
             self.logger.texts({f"{split}/{k}": v for k, v in texts.items()}, self.progress.step)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,12 @@ from raytpu.records.checkpoints import (
     EMA,
     META,
     MODEL,
+    SHARDED,
     TRAIN_STATE,
     CheckpointError,
     CheckpointWriteError,
     is_complete,
+    is_sharded,
     load_torch,
     reason_of,
     save_json,
@@ -72,13 +75,42 @@ class TrainState:
     scheduler: Any
 
 
+class ShardingMismatch(RuntimeError):
+    """A checkpoint written with another sharding than the run's (a different layout of the files)."""
+
+
+def save_shards(folder: Path, state: TrainState) -> None:
+    """The model's and the optimizer's state as ``torch.distributed.checkpoint`` writes it: each rank
+    its own shards, rank 0 the index, no gather onto one process (a collective of every rank)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
+    with warnings.catch_warnings():  # torch 2.9's writer asks tensor.storage() of each tensor it writes
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
+
+
+def load_shards(folder: Path, state: TrainState) -> None:
+    """Each rank reads the parts of :func:`save_shards`'s files its shards cover, whatever the number
+    of ranks that wrote them (``torch.distributed.checkpoint`` reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
+    saved = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(saved, checkpoint_id=str(folder))
+    set_state_dict(state.model, state.optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+
+
 class Checkpointer:
     """What a checkpoint holds and how it is written and read back, for one worker.
 
     Every rank writes its RNG state; rank 0 writes the weights (``model`` and ``ema``
     safetensors), ``train_state.pt`` (optimizer, scheduler, loss scaler) and ``meta.json``
     (progress, metrics, config) last. Tensors are moved to the CPU first, never pickled on an
-    accelerator.
+    accelerator. A sharded run's ranks write the model and optimizer shards together instead
+    (:func:`save_shards`).
     """
 
     def __init__(self, runtime: Runtime, job_name: str, config: dict[str, Any]) -> None:
@@ -98,23 +130,24 @@ class Checkpointer:
     ) -> None:
         rt = self.runtime
         save_torch(directory / "rng" / f"rank_{rt.rank}.pt", rng_states(rt))
-        model_state = rt.to_cpu(rt.unwrap(state.model).state_dict())
-        ema_state = rt.to_cpu(state.ema.state_dict()) if state.ema is not None else None
-        train_state = rt.to_cpu(
-            {
-                "optimizer": state.optimizer.state_dict(),
-                "scheduler": state.scheduler.state_dict(),
-                "scaler": rt.scaler_state(),
-            }
-        )
+        if rt.sharded:
+            save_shards(directory / SHARDED, state)
+        else:
+            model_state = rt.to_cpu(rt.unwrap(state.model).state_dict())
+            ema_state = rt.to_cpu(state.ema.state_dict()) if state.ema is not None else None
+            optimizer_state = rt.to_cpu(state.optimizer.state_dict())
         if not rt.is_main:
             return
-        save_weights(directory / MODEL, model_state)
-        if ema_state is not None:
-            save_weights(directory / EMA, ema_state)
+        train_state = {"scheduler": state.scheduler.state_dict(), "scaler": rt.to_cpu(rt.scaler_state())}
+        if not rt.sharded:
+            train_state["optimizer"] = optimizer_state
+            save_weights(directory / MODEL, model_state)
+            if ema_state is not None:
+                save_weights(directory / EMA, ema_state)
         save_torch(directory / TRAIN_STATE, train_state)
         meta = {**asdict(progress), "reason": reason, "metrics": metrics, "job": self.job_name, "config": self.config}
         meta["world_size"] = rt.world_size  # every rank's RNG file must be there for the checkpoint to be whole
+        meta["sharded"] = rt.sharded
         save_json(directory / META, meta)
 
     def read(self, directory: Path) -> dict[str, Any]:
@@ -123,11 +156,19 @@ class Checkpointer:
         names what is wrong when the checkpoint is incomplete or unreadable."""
         if not is_complete(directory):
             raise CheckpointError(f"{directory} is incomplete (no {META} or {MODEL})")
+        sharded = is_sharded(directory)
+        if sharded != self.runtime.sharded:
+            raise ShardingMismatch(
+                f"{directory} was written by a {'sharded' if sharded else 'data-parallel'} run and this run is "
+                f"{'sharded' if self.runtime.sharded else 'not'}: resume with the sharding.strategy it was saved "
+                "with, or start a new run (run.name) from its weights with checkpoint.weights"
+            )
         try:
             meta = json.loads((directory / META).read_text())
             progress = Progress(meta["step"], meta["epoch"], meta.get("best"), meta.get("reports", 0))
             loaded: dict[str, Any] = {"meta": meta, "progress": progress}
-            loaded["model"] = load_file(directory / MODEL)
+            loaded["shards"] = directory / SHARDED if sharded else None
+            loaded["model"] = None if sharded else load_file(directory / MODEL)
             loaded["ema"] = load_file(directory / EMA) if (directory / EMA).is_file() else None
             loaded["train_state"] = load_torch(directory / TRAIN_STATE)
             rng = {path.name: load_torch(path) for path in sorted((directory / "rng").glob("rank_*.pt"))}
@@ -141,11 +182,14 @@ class Checkpointer:
 
     def restore(self, loaded: dict[str, Any], state: TrainState) -> tuple[Progress, dict[str, Any]]:
         """Put what :meth:`read` returned into ``state``; the progress and the metrics it was saved with."""
-        self.runtime.unwrap(state.model).load_state_dict(loaded["model"])
+        saved = loaded["train_state"]
+        if loaded["shards"] is not None:
+            load_shards(loaded["shards"], state)
+        else:
+            self.runtime.unwrap(state.model).load_state_dict(loaded["model"])
+            state.optimizer.load_state_dict(saved["optimizer"])
         if state.ema is not None and loaded["ema"] is not None:
             state.ema.load_state_dict(loaded["ema"])
-        saved = loaded["train_state"]
-        state.optimizer.load_state_dict(saved["optimizer"])
         state.scheduler.load_state_dict(saved["scheduler"])
         self.runtime.load_scaler_state(saved.get("scaler"))
         if loaded["rng"] is not None:

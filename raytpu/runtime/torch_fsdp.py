@@ -1,0 +1,146 @@
+"""cpu and cuda with the model sharded over the workers: FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Each unit (``sharding.layers``, by default the decoder layers a Transformers model names in
+``_no_split_modules``) is sharded on its own, then the root, as torchtitan and Accelerate's
+``fsdp_version: 2`` do: a unit's weights are gathered for its forward and backward and freed
+after, so a worker holds one unit whole at a time and its own shard of everything else
+(parameters, gradients, optimizer state). Parameter names stay the plain model's: FSDP2 swaps
+parameters for DTensors in place, and activation checkpointing (non-reentrant, inside each unit's
+gather) and regional compilation work in place too.
+
+On cuda with bf16, parameters are gathered and computed in bf16 and gradients reduced in fp32
+(``MixedPrecisionPolicy``); the optimizer steps the fp32 shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from raytpu.runtime.compiled import compile_regions, compile_whole
+from raytpu.runtime.fsdp import NO_UNITS, units_of, wrapping_units
+from raytpu.runtime.torch_ddp import DDPRuntime
+
+
+class FSDPRuntime(DDPRuntime):
+    sharded = True
+
+    def __init__(
+        self,
+        name: str,
+        precision: str,
+        world_size: int,
+        rank: int,
+        local_rank: int,
+        compile_mode: str = "",
+        tf32: bool = True,
+        sharding: Any = None,
+    ) -> None:
+        super().__init__(name, precision, world_size, rank, local_rank, compile_mode, tf32)
+        self.layers = list(sharding.layers) if sharding else []
+        self.activation_checkpointing = bool(sharding and sharding.activation_checkpointing)
+        self.scaler = None  # the plan allows bf16 and fp32 only: no loss scaling
+        self.units = 0
+
+    def prepare_model(
+        self, model: nn.Module, find_unused_parameters: bool = False, sync_batchnorm: str = "auto"
+    ) -> nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model = model.to(self.device)
+        units = units_of(model, wrapping_units(model, self.layers))
+        if self.activation_checkpointing:
+            if not units:
+                raise ValueError(NO_UNITS)
+            for unit in units:
+                checkpoint_in_place(unit)
+        if self.compile_mode and compile_regions(model, self.compile_mode):
+            self.compiled = "regional"
+        mesh = self._mesh()
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        options = {"mesh": mesh, "mp_policy": policy} if self.precision == "bf16" else {"mesh": mesh}
+        for unit in units:
+            fully_shard(unit, **options)
+        fully_shard(model, **options)
+        self.units = len(units)
+        if self.compile_mode and not self.compiled:
+            model, self.compiled = compile_whole(model, self.compile_mode), "whole"
+        return model
+
+    def _mesh(self) -> Any:
+        """The data-parallel workers as FSDP2's one-dimensional mesh. One worker alone (a local run
+        of one process) gets a process group of its own, so that it shards as a larger run would."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return init_device_mesh(self.device.type, (self.world_size,))
+
+    def track_unused_parameters(self, model: nn.Module, unused: bool) -> nn.Module:
+        """FSDP2 reduces every parameter's gradient, used or not: nothing to look for."""
+        return model
+
+    def no_sync(self, model: nn.Module, skip: bool) -> contextlib.AbstractContextManager:
+        """FSDP2 reduce-scatters in the backward that follows this forward unless told not to; the
+        flag stays until the next micro-step sets it, so it holds for the backward after the context."""
+        unwrapped = self.unwrap(model)
+        if hasattr(unwrapped, "set_requires_gradient_sync"):
+            unwrapped.set_requires_gradient_sync(not skip)
+        return contextlib.nullcontext()
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float, measure: bool = True
+    ) -> torch.Tensor | None:
+        norm = sharded_clip_or_measure(params, max_norm, measure)
+        optimizer.step()
+        return norm
+
+    def even_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+        """Every rank runs as many forwards as the rank with the most batches (each gathers weights
+        from all ranks): a rank out of batches repeats its last one, uncounted."""
+        last = None
+        source = iter(batches)
+        while True:
+            batch = next(source, None)
+            more = torch.tensor([0.0 if batch is None else 1.0], device=self.collective_device)
+            dist.all_reduce(more, op=dist.ReduceOp.MAX)
+            if not more.item():
+                return
+            if batch is None and last is None:
+                raise RuntimeError(
+                    f"rank {self.rank} has no evaluation batch while others have: give the split at least one "
+                    "batch per worker (a smaller data.eval_batch_size)"
+                )
+            if batch is not None:
+                last = batch
+            yield last, batch is not None
+
+
+def checkpoint_in_place(unit: nn.Module) -> None:
+    """Recompute ``unit``'s activations in the backward (non-reentrant ``torch.utils.checkpoint``),
+    without a wrapper module: parameter names stay plain, and FSDP2's hooks on the unit still
+    gather its weights around the recomputation."""
+    unit.forward = functools.partial(checkpoint, unit.forward, use_reentrant=False)
+
+
+def sharded_clip_or_measure(params: list[nn.Parameter], max_norm: float, measure: bool) -> torch.Tensor | None:
+    """:func:`raytpu.runtime.base.clip_or_measure` over sharded gradients: each rank's partial norm
+    reduced into the global one (a collective: every rank calls it at the same steps)."""
+    if not (max_norm > 0 or measure):
+        return None
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=None)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)
+    return norm
