@@ -175,9 +175,9 @@ def raytpu_loop(
     compile_mode: str = "",
 ) -> float:
     """The raytpu Trainer on ``runtime`` at ``precision`` (torch.compile'd in ``compile_mode``, if
-    any), samples/s over the steps after ``warmup``."""
+    any; the model sharded as ``cfg.sharding`` says), samples/s over the steps after ``warmup``."""
     run_dir = Path(tempfile.mkdtemp(prefix="bench-loop-"))
-    rt = make_runtime(runtime, precision, 1, 0, 0, cfg.xla, compile_mode=compile_mode)
+    rt = make_runtime(runtime, precision, 1, 0, 0, cfg.xla, compile_mode=compile_mode, sharding=cfg.sharding)
     timer = StepTimer(warmup, steps, rt.device)
     Trainer(cfg, job, rt, run_dir, data_root, FolderReporter(run_dir), callbacks=[timer]).fit()
     return steps * cfg.data.global_batch_size / timer.total()

@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--address", help="Ray cluster to check (default: RAY_ADDRESS)")
     doctor.add_argument("--timeout", type=float, help="seconds per probe (default 30)")
     doctor.add_argument("--probe-xla", action="store_true", help="ask torch_xla for its devices (in a subprocess)")
+    doctor.add_argument("config", nargs="?", help="a YAML config: its memory per device, estimated")
+    doctor.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides of the config")
     return parser
 
 
@@ -158,7 +160,7 @@ def dispatch(args: argparse.Namespace, started: float) -> int:
         options += (["--address", args.address] if args.address else []) + (
             ["--timeout", str(args.timeout)] if args.timeout else []
         )
-        return doctor.main(options)
+        return doctor.main(options + ([args.config, *args.overrides] if args.config else []))
     raise AssertionError(args.command)
 
 

@@ -201,6 +201,15 @@ class CountsTokens(Protocol):
 
 
 @runtime_checkable
+class EstimatesActivations(Protocol):
+    """Bytes of activations one device keeps for the backward of a step of ``batch`` samples, its
+    values ``value_bytes`` wide (2 in bf16, 4 in fp32); ``checkpointed``: each unit keeps only its
+    input, and one unit's activations exist at a time in the backward (``raytpu.runtime.memory``)."""
+
+    def activation_bytes(self, cfg: Config, batch: int, value_bytes: int, checkpointed: bool) -> float: ...
+
+
+@runtime_checkable
 class DrawsImages(Protocol):
     """Images for TensorBoard at each evaluation: name -> (N, C, H, W) in [0, 1]."""
 

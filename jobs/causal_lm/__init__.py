@@ -213,6 +213,21 @@ class CausalLMJob(Job):
     def tokens_per_sample(self, cfg: Config) -> int | None:
         return cfg.job.seq_len
 
+    def activation_bytes(self, cfg: Config, batch: int, value_bytes: int, checkpointed: bool) -> float:
+        """A decoder layer keeps, per token, 8 hidden-wide values (the two norms' inputs and
+        outputs, q, k and v at most, the attention output), 4 intermediate-wide ones (gate, up,
+        their activation and product) and the norms' fp32 upcasts (4 hidden-wide fp32 values); the
+        head keeps the logits, their fp32 upcast for the loss and its gradient. Checkpointed, a
+        layer keeps its input, and one layer's activations are recomputed at a time."""
+        config = architecture(cfg.job)
+        hidden, inner = config.hidden_size, config.intermediate_size
+        tokens = batch * cfg.job.seq_len
+        per_layer = tokens * (value_bytes * (8 * hidden + 4 * inner) + 4 * 4 * hidden)
+        layers = config.num_hidden_layers
+        kept = tokens * value_bytes * hidden * layers + per_layer if checkpointed else per_layer * layers
+        vocabulary = cfg.job.vocab_size if not cfg.job.model_name_or_path else config.vocab_size
+        return float(kept + tokens * vocabulary * (value_bytes + 4 + 4))
+
     def synthesize(self, out: Path, vocab_size: int = 4096, corpus_dir: str = "", tokenizer: str = "") -> None:
         """``raytpu data synth causal_lm --out DIR [--vocab-size N] [--corpus-dir DIR] [--tokenizer DIR]``."""
         corpus.synthesize(out, vocab_size=vocab_size, corpus=corpus_dir, tokenizer=tokenizer)

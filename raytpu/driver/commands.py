@@ -35,6 +35,7 @@ from raytpu.cluster.connect import (
 from raytpu.config import Config, dump_yaml
 from raytpu.config.plan import Facts, Plan, anchored, make_plan
 from raytpu.driver import preflight
+from raytpu.driver.memory import check_memory
 from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunFailed, RunStopped
 from raytpu.job import Job
@@ -147,6 +148,8 @@ def plan_run(
     )
     plan = make_plan(anchored(cfg), facts)
     preflight.check_placement(plan)
+    memory = check_memory(plan.config, job, offer.accelerator_types("GPU"))
+    plan = dataclasses.replace(plan, notes=(*plan.notes, *memory))
     say(plan)
     return plan
 

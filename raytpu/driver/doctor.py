@@ -343,14 +343,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--address", help="Ray cluster to check (default: RAY_ADDRESS; none: a local one is used)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per probe (default 30)")
     parser.add_argument("--probe-xla", action="store_true", help="ask torch_xla for its devices (in a subprocess)")
+    parser.add_argument("config", nargs="?", help="a YAML config: its memory per device, estimated")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides of the config")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     report = collect_report(args.address, args.timeout, args.probe_xla)
-    print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
+    if args.config:
+        report["memory"] = memory_estimate(args.config, list(args.overrides))
+    text = format_report(report) + "".join(f"\n{line}" for line in report.get("memory", []))
+    print(json.dumps(report, indent=2) if args.json else text, flush=True)
     return exit_code(report["problems"])
+
+
+def memory_estimate(path: str, overrides: list[str]) -> list[str]:
+    """``raytpu doctor CONFIG``: the config's memory per device (``raytpu.driver.memory``)."""
+    from raytpu.config import load_config
+    from raytpu.driver.memory import estimate_lines
+
+    cfg, job = load_config(path, overrides)
+    return ["memory     " + line if index == 0 else line for index, line in enumerate(estimate_lines(cfg, job))]
 
 
 if __name__ == "__main__":
