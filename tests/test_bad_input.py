@@ -159,6 +159,10 @@ CASES = {  # name: (argv after `raytpu`, text the error line must contain)
         ["train", SMALL, "--output_dir", "/proc/raytpu-results"],
         "--output_dir /proc/raytpu-results: run.storage_path=/proc/raytpu-results: cannot create or write",
     ),
+    "a model that cannot fit the device": (
+        ["train", SMALL, "--local", "scaling.device_memory_gb=0.01"],
+        "more than 90% of the 0.01 GB of a device (scaling.device_memory_gb): shard the model over the workers",
+    ),
     "credentials in the storage URI": (
         ["submit", SMALL, "--output_dir", "s3://b/runs?secret_key=x", "--address", "http://127.0.0.1:8265"],
         "carries secret_key: credentials never go into a path",

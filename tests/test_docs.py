@@ -307,8 +307,10 @@ def config_keys() -> tuple[frozenset[str], frozenset[str]]:
 
 
 def key_exists(key: str) -> bool:
+    from raytpu.config.loading import RENAMED_KEYS
+
     keys, mappings = config_keys()
-    if key in keys:
+    if key in keys or key in RENAMED_KEYS:  # a key under its earlier name is still read
         return True
     parent, _, last = key.rpartition(".")
     if parent in keys and last.isdigit():  # a list item: optim.betas.0

@@ -25,10 +25,11 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 from raytpu.config import load_config
+from raytpu.config.plan import resolve_config
 from raytpu.driver.preflight import resolve_data_root
 from raytpu.hooks import Callback
 from raytpu.records import goodput
-from raytpu.runtime import make_runtime
+from raytpu.runtime import make_runtime, resolve_precision
 from raytpu.storage.run_folder import RunFolder
 from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter
@@ -92,7 +93,8 @@ def probe_run(warmup: int, overrides: list[str]) -> dict:
     start = time.perf_counter()
     met.clear_all()
     cfg, job = load_config(None, ["logging.progress_bar=false", "logging.eval_images=0", *overrides])
-    runtime = make_runtime("xla", cfg.scaling.precision, 1, 0, 0, cfg.xla)
+    cfg = resolve_config(cfg, "xla", resolve_precision("xla", cfg.scaling.precision)[0], batch=False)  # as planned
+    runtime = make_runtime("xla", cfg.scaling.precision, 1, 0, 0, cfg.xla, sharding=cfg.sharding)
     # a named run (run.name given) is kept in run.storage_path, so that a later run of the same name resumes it
     named = any(word.startswith("run.name=") for word in overrides)
     run_dir = Path(cfg.run.storage_path) / cfg.run.name if named else Path(tempfile.mkdtemp(prefix="xla-probe-"))

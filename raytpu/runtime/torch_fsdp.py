@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from raytpu.console import muted_stdout
 from raytpu.runtime.compiled import compile_regions, compile_whole
 from raytpu.runtime.fsdp import NO_UNITS, units_of, wrapping_units
 from raytpu.runtime.torch_ddp import DDPRuntime
@@ -56,6 +57,8 @@ class FSDPRuntime(DDPRuntime):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         model = model.to(self.device)
+        mesh = self._mesh()
+        self._same_start(model)
         units = units_of(model, wrapping_units(model, self.layers))
         if self.activation_checkpointing:
             if not units:
@@ -64,7 +67,6 @@ class FSDPRuntime(DDPRuntime):
                 checkpoint_in_place(unit)
         if self.compile_mode and compile_regions(model, self.compile_mode):
             self.compiled = "regional"
-        mesh = self._mesh()
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         options = {"mesh": mesh, "mp_policy": policy} if self.precision == "bf16" else {"mesh": mesh}
         for unit in units:
@@ -82,8 +84,17 @@ class FSDPRuntime(DDPRuntime):
 
         if not dist.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            with muted_stdout():  # gloo's "[Gloo] Rank 0 is connected to 0 peer ranks"
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return init_device_mesh(self.device.type, (self.world_size,))
+
+    @torch.no_grad()
+    def _same_start(self, model: nn.Module) -> None:
+        """Rank 0's initial weights and buffers on every rank, as DDP gives them: each rank seeds its
+        own random streams, and each keeps its own slice of what it holds when the model is sharded."""
+        if self.world_size > 1:
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
 
     def track_unused_parameters(self, model: nn.Module, unused: bool) -> nn.Module:
         """FSDP2 reduces every parameter's gradient, used or not: nothing to look for."""
