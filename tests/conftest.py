@@ -50,6 +50,7 @@ LONGEST_FIRST = (
     "test_mshnet_learning.py",
     "test_cdeit_learning.py",
     "test_xla.py",
+    "test_sharding.py",
     "test_integration_ray.py",
     "test_fake_tpu_cluster.py",
     "test_compile.py",
