@@ -10,7 +10,7 @@ fused AdamW on a GPU, ``model.compile()`` for the compiled one. The last line is
 ``ratio=<raytpu's best / hand-written compiled>``; the target on a GPU is at least 0.97, with MFU
 at least 50%. raytpu sharded (FSDP2 over the one device: the wrapper's cost alone) runs beside
 its data-parallel default, ``sharded_ratio=`` (target: at least 0.95), and each raytpu loop's peak
-memory (``torch.cuda.max_memory_allocated``) is printed beside ``raytpu.driver.memory``'s estimate.
+memory (``torch.cuda.max_memory_allocated``) is printed beside ``raytpu.config.memory``'s estimate.
 
     python bench/gpu_throughput.py [--device auto|cpu|cuda] [--steps N] [--warmup N] [--repeats N]
 """
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loop_overhead import raytpu_loop, synchronize  # noqa: E402
 from raytpu.config import load_config, with_values  # noqa: E402
-from raytpu.driver.memory import estimate_run  # noqa: E402
+from raytpu.config.memory import estimate_run  # noqa: E402
 from raytpu.runtime.base import compiles, resolve_precision  # noqa: E402
 from raytpu.runtime.peaks import gpu_peak_flops  # noqa: E402
 

@@ -14,11 +14,10 @@ from torch import nn
 
 from raytpu import cli
 from raytpu.config import load_config, with_values
-from raytpu.driver.memory import check_memory, estimate_run
+from raytpu.config.memory import GB, ModelSize, check_memory, device_memory_gb, estimate, estimate_run, memory_of
 from raytpu.errors import ConfigError
 from raytpu.jobs.causal_lm import corpus
 from raytpu.records import checkpoints as ckpt
-from raytpu.runtime.memory import GB, ModelSize, device_memory_gb, estimate, memory_of
 from raytpu.runtime.torch_fsdp import checkpoint_in_place
 from raytpu.storage.run_folder import RunFolder
 from tests.conftest import ROOT
@@ -107,11 +106,11 @@ def test_checkpointing_in_place_keeps_the_plain_names_and_the_gradients():
 
 # ------------------------------------------------------------------ runs
 #: a 2-layer Llama on 64-token blocks, 2 workers x 2 micro-steps of 2 blocks, clipped at 0.5: 8 steps,
-#: an evaluation and a checkpoint every 4
+#: a checkpoint every 4, an evaluation (and a generated sample) at the end
 TINY = ["job.model_config.hidden_size=64", "job.model_config.intermediate_size=128",
         "job.model_config.num_hidden_layers=2", "job.seq_len=64", "job.sample_tokens=4", "data.global_batch_size=8",
         "data.eval_batch_size=256", "loop.grad_accum=2", "loop.clip_grad_norm=0.5", "loop.max_steps=8",
-        "loop.log_every=1", "--eval_steps", "4", "--save_steps", "4", "--warmup_steps", "2",
+        "loop.log_every=1", "--eval_steps", "8", "--save_steps", "4", "--warmup_steps", "2",
         "checkpoint.num_to_keep=4", "logging.progress_bar=false"]  # fmt: skip
 
 
@@ -177,7 +176,7 @@ def test_fsdp2_follows_ddp_with_accumulation_and_clipping(runs):
     sharded, ddp = runs["local"] / "straight", runs["local"] / "ddp"
     for tag in ("train/loss", "train/grad_norm", "valid/loss"):
         ours, theirs = scalars(sharded, tag), scalars(ddp, tag)
-        assert len(ours) == len(theirs) > 1 and ours == pytest.approx(theirs, rel=1e-4), (tag, ours, theirs)
+        assert len(ours) == len(theirs) >= 1 and ours == pytest.approx(theirs, rel=1e-4), (tag, ours, theirs)
     assert min(scalars(ddp, "train/grad_norm")) > 0.5  # every step clipped
 
 
@@ -212,14 +211,20 @@ def test_a_sharded_checkpoint_continues_on_fewer_and_on_more_workers(runs):
 
 @pytest.mark.integration
 def test_test_and_export_read_a_sharded_checkpoint_in_s3_as_the_whole_model(runs, data, tmp_path, capfd):
+    """``raytpu test``'s worker (the Trainer's test, sharded, on one worker here) and ``raytpu export``
+    read the bucket's sharded checkpoint as the whole model: the unsharded model's test loss, and a
+    Transformers folder holding exactly its weights."""
     from transformers import AutoModelForCausalLM
 
+    from raytpu.runtime import make_runtime
+    from raytpu.worker.loop import Trainer
+    from raytpu.worker.reporting import FolderReporter
+
     checkpoint = runs["bucket"].uri("checkpoint_00000008")
-    where = [f"data.path={data}", f"run.storage_path={tmp_path}", "run.name=tested"]
-    capfd.readouterr()
-    assert cli.main(["test", SMALL, *TINY, *where, "--checkpoint", checkpoint, "--fsdp", "full_shard"]) == 0
-    tested = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
-    cfg, job = load_config(SMALL, [*TINY, *where])
+    where = [f"data.path={data}", "run.mode=test", f"checkpoint.weights={checkpoint}"]
+    cfg, job = load_config(SMALL, [*TINY, *where, "--fsdp", "full_shard"])
+    runtime = make_runtime("cpu", "fp32", 1, 0, 0, sharding=cfg.sharding)
+    tested = Trainer(cfg, job, runtime, tmp_path / "tested", data, FolderReporter(tmp_path / "tested")).test()
     weights = ckpt.load_model_weights(checkpoint)
     assert tested["test/loss"] == pytest.approx(unsharded_test_loss(cfg, job, weights, data), rel=1e-5)
     out = tmp_path / "export"

@@ -33,9 +33,9 @@ from raytpu.cluster.connect import (
     ray_for_this_command,
 )
 from raytpu.config import Config, dump_yaml
+from raytpu.config.memory import check_memory
 from raytpu.config.plan import Facts, Plan, anchored, make_plan
 from raytpu.driver import preflight
-from raytpu.driver.memory import check_memory
 from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunFailed, RunStopped
 from raytpu.job import Job
@@ -149,14 +149,16 @@ def plan_run(
     plan = make_plan(anchored(cfg), facts)
     preflight.check_placement(plan)
     memory = check_memory(plan.config, job, offer.accelerator_types("GPU"))
-    plan = dataclasses.replace(plan, notes=(*plan.notes, *memory))
-    say(plan)
+    say(plan, memory)
     return plan
 
 
-def say(plan: Plan) -> None:
-    """The plan's notes, then its one line: where, what, how the batch splits."""
+def say(plan: Plan, more: list[str] | tuple[str, ...] = ()) -> None:
+    """The plan's notes and ``more`` (the memory estimate), then its one line: where, what, how the
+    batch splits."""
     print_notes(plan)
+    for note in more:
+        print(f"raytpu: {note}", flush=True)
     print(where_it_runs(plan), flush=True)
 
 

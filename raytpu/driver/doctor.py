@@ -359,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def memory_estimate(path: str, overrides: list[str]) -> list[str]:
-    """``raytpu doctor CONFIG``: the config's memory per device (``raytpu.driver.memory``)."""
+    """``raytpu doctor CONFIG``: the config's memory per device (``raytpu.config.memory``)."""
     from raytpu.config import load_config
-    from raytpu.driver.memory import estimate_lines
+    from raytpu.config.memory import estimate_lines
 
     cfg, job = load_config(path, overrides)
     return ["memory     " + line if index == 0 else line for index, line in enumerate(estimate_lines(cfg, job))]
