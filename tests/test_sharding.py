@@ -234,6 +234,15 @@ def test_test_and_export_read_a_sharded_checkpoint_in_s3_as_the_whole_model(runs
         torch.testing.assert_close(exported[key], value, rtol=0, atol=0)
 
 
+@pytest.mark.integration
+def test_resuming_with_another_sharding_is_one_line_naming_the_checkpoint(runs, data, capsys):
+    local = [*TINY, f"data.path={data}", f"run.storage_path={runs['local']}", "--local", "run.name=straight"]
+    assert cli.main(["train", SMALL, *local, "loop.max_steps=12"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint_00000008 was written by a sharded run and this run is unsharded" in err[0]
+    assert "resume it with sharding.strategy=full_shard" in err[0]
+
+
 def unsharded_test_loss(cfg, job, weights: dict[str, torch.Tensor], data: Path) -> float:
     """The test split's loss of ``weights`` in one plain model in this process."""
     from torch.utils.data import DataLoader

@@ -148,6 +148,7 @@ def plan_run(
     )
     plan = make_plan(anchored(cfg), facts)
     preflight.check_placement(plan)
+    preflight.check_resume_sharding(plan)
     memory = check_memory(plan.config, job, offer.accelerator_types("GPU"))
     say(plan, memory)
     return plan

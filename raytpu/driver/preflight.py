@@ -25,8 +25,10 @@ from raytpu.config.plan import Plan
 from raytpu.errors import RunFailed
 from raytpu.job import Job, Synthesizes
 from raytpu.records import checkpoints as ckpt
+from raytpu.records import summary as run_summary
 from raytpu.runtime.placement import Bundle, ClusterOffer, Fit, Placement, judge_fit
 from raytpu.storage.filesystems import check_location, diagnose, filesystem, is_remote
+from raytpu.storage.run_folder import RunFolder
 
 #: seconds the bucket probe may take (connecting, credentials, a write, a read and a delete)
 BUCKET_TIMEOUT_S = 30.0
@@ -250,6 +252,27 @@ def check_fit(bundles: Sequence[Bundle], what: str, offer: ClusterOffer) -> Fit:
     if result.verdict == "busy":
         print(f"raytpu: {result.message}", flush=True)
     return result
+
+
+def check_resume_sharding(plan: Plan) -> None:
+    """A run resumed with another sharding than its newest checkpoint was written with is one line:
+    the files differ (each rank's shards, or one model file), and resuming would fail on a worker."""
+    cfg = plan.config
+    if plan.mode != "train" or not cfg.checkpoint.resume or cfg.scaling.runtime == "xla":
+        return
+    folder = RunFolder(plan.run_dir)
+    found = run_summary.checkpoints(folder)
+    if not found:
+        return
+    newest, sharded = found[-1], cfg.sharding.strategy != "none"
+    if bool(newest.get("sharded")) != sharded:
+        written = "sharded" if newest.get("sharded") else "unsharded"
+        raise ConfigError(
+            f"{folder.uri(newest['name'])} was written by a {written} run and this run is "
+            f"{'sharded' if sharded else 'unsharded'}: resume it with sharding.strategy="
+            f"{'full_shard' if newest.get('sharded') else 'none'}, or start a new run.name from its weights "
+            f"(--checkpoint {folder.uri(newest['name'])})"
+        )
 
 
 def check_placement(plan: Plan) -> None:
