@@ -181,7 +181,7 @@ def test_unsupported_training_arguments_are_errors_that_name_them(words, message
         ["--torch_compile_backend", "inductor"],
         ["--eval_strategy", "no"],
         ["--save_strategy", "best"],
-        ["--report_to", "wandb"],
+        ["--report_to", "comet_ml"],
         ["--resume_from_checkpoint", "out/checkpoint-500"],
         ["--debug", "underflow_overflow"],
     ],

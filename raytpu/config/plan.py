@@ -13,6 +13,7 @@ made by the same function from the user's config with the trial's values (:meth:
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,4 +314,34 @@ def anchored(cfg: Config) -> Config:
         values["checkpoint.weights"] = str(Path(cfg.checkpoint.weights).resolve())
     if cfg.xla.compile_cache not in ("", "none"):
         values["xla.compile_cache"] = str(Path(cfg.xla.compile_cache).resolve())
-    return with_values(cfg, values)
+    cfg = with_values(cfg, values)
+    return with_values(cfg, tracking(cfg))
+
+
+def tracking(cfg: Config, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The trackers' settings as the workers use them (``logging.report_to``): the config's, else the
+    trackers' own variables on the driver (``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``,
+    ``WANDB_PROJECT``, ``WANDB_MODE``), else the defaults: an SQLite file beside the runs of a local
+    storage, the experiment ``raytpu``, W&B online."""
+    log, values = cfg.logging, {}
+    trackers = set(log.report_to)
+    if trackers & {"mlflow", "wandb"} and not log.experiment:
+        named = environ.get("MLFLOW_EXPERIMENT_NAME") if "mlflow" in trackers else None
+        values["logging.experiment"] = named or environ.get("WANDB_PROJECT") or "raytpu"
+    if "mlflow" in trackers and not log.mlflow_tracking_uri:
+        values["logging.mlflow_tracking_uri"] = environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(cfg)
+    if "wandb" in trackers and not log.wandb_mode:
+        values["logging.wandb_mode"] = environ.get("WANDB_MODE") or "online"
+    return values
+
+
+def default_tracking_uri(cfg: Config) -> str:
+    """An SQLite store in a local ``run.storage_path`` (every run under it in one database, as
+    ``mlflow ui --backend-store-uri`` reads it); a bucket has no such file: a server is needed."""
+    storage = storage_of(cfg)
+    if is_remote(storage):
+        raise ConfigError(
+            f"logging.report_to has mlflow and run.storage_path={storage} is a bucket: set MLFLOW_TRACKING_URI "
+            "(or logging.mlflow_tracking_uri) to a tracking server every node reaches"
+        )
+    return f"sqlite:///{storage}/mlflow.db"

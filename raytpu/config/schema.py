@@ -144,6 +144,13 @@ class LoggingSettings:
     verbose: bool = False  # show Ray's own INFO lines (reports, checkpoints, scheduling) too
     hparams: bool = True  # the config's values in TensorBoard's HPARAMS tab once training completes
     flush_every_s: float = 60.0  # a run in a bucket: its TensorBoard events copied up this often (0: at evals only)
+    # where the run's scalars go: tensorboard | mlflow | wandb (--report_to; docs/tracking.md)
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    experiment: str = ""  # MLflow experiment / W&B project ("": MLFLOW_EXPERIMENT_NAME / WANDB_PROJECT, else raytpu)
+    mlflow_tracking_uri: str = ""  # "": MLFLOW_TRACKING_URI, else an SQLite file beside the runs of a local storage
+    wandb_mode: str = ""  # online | offline | disabled ("": WANDB_MODE, else online)
+    mlflow_parent_run: str = ""  # set by raytpu tune: the sweep's MLflow run, each trial's parent
+    wandb_group: str = ""  # set by raytpu tune: the sweep's W&B group
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ device" means per data-parallel replica (a worker on cpu/cuda, a chip on XLA), r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from collections.abc import Callable
@@ -93,14 +94,23 @@ def save_strategy(value: Any) -> Pairs:
     return []
 
 
+#: the --report_to integrations raytpu sends a run's scalars to (Transformers' names)
+TRACKED = ("tensorboard", "mlflow", "wandb")
+
+
 def report_to(value: Any) -> Pairs:
+    """``--report_to`` as Transformers means it: the integrations named, ``all`` for every one that
+    is installed, ``none`` for none (no TensorBoard either)."""
     targets = value if isinstance(value, list) else str(value).replace(",", " ").split()
     if targets in (["none"], []):
-        return [("logging.tensorboard", False)]
-    if "tensorboard" in targets or "all" in targets:
-        return [("logging.tensorboard", True)]
-    warn(f"--report_to {value} is ignored: raytpu writes TensorBoard events (logging.tensorboard)")
-    return []
+        return [("logging.report_to", []), ("logging.tensorboard", False)]
+    if "all" in targets:
+        targets = ["tensorboard", *(name for name in TRACKED[1:] if importlib.util.find_spec(name))]
+    ignored = [target for target in targets if target not in TRACKED]
+    if ignored:
+        warn(f"--report_to {' '.join(ignored)} is ignored: raytpu reports to {', '.join(TRACKED)}")
+    chosen = [target for target in targets if target in TRACKED]
+    return [("logging.report_to", chosen), ("logging.tensorboard", "tensorboard" in chosen)]
 
 
 def resume_from_checkpoint(value: Any) -> Pairs:

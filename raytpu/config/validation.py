@@ -13,11 +13,15 @@ if TYPE_CHECKING:  # raytpu.config (loading) imports this module
     from raytpu.config import Config
     from raytpu.job import Job
 
+#: where a run's scalars can go (``logging.report_to``)
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+
 CHOICES: dict[str, tuple[str, ...]] = {
     "run.mode": ("train", "test"),
     "scaling.runtime": ("auto", "cpu", "cuda", "xla"),
     "scaling.precision": ("auto", "fp32", "bf16", "fp16"),
     "sharding.strategy": ("none", "full_shard"),
+    "logging.wandb_mode": ("", "online", "offline", "disabled"),
     "scaling.tpu.layout": ("spmd", "multiprocess"),
     "data.loader": ("torch", "ray"),
     "optim.name": ("adafactor", "adagrad", "adam", "adamw", "sgd"),
@@ -109,6 +113,9 @@ def validate(cfg: Config, job: Job | None = None) -> None:
     if cfg.xla.mesh.data == 0 or cfg.xla.mesh.fsdp == 0 or min(cfg.xla.mesh.data, cfg.xla.mesh.fsdp) < -1:
         raise ConfigError("xla.mesh.data and xla.mesh.fsdp must be at least 1, or -1 for the rest of the devices")
     check_profile(cfg.loop.profile_steps, cfg.loop.profile_ranks, cfg.scaling.num_workers)
+    unknown = [name for name in cfg.logging.report_to if name not in TRACKERS]
+    if unknown:
+        raise ConfigError(f"logging.report_to: {', '.join(map(str, unknown))} is not one of {', '.join(TRACKERS)}")
     for name in cfg.loop.callbacks:  # imported here, on the driver: a wrong name fails before any worker
         callback_class(name)
     if not cfg.data.per_device_train_batch_size:  # else checked once the runtime is known

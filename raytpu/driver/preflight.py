@@ -9,19 +9,21 @@ announced as a wait, with what it waits for.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import tempfile
+import urllib.request
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from raytpu.cluster.connect import check_reachable
-from raytpu.config import Config, ConfigError
-from raytpu.config.plan import Plan
+from raytpu.cluster.connect import check_reachable, one_line
+from raytpu.config import Config, ConfigError, with_values
+from raytpu.config.plan import Plan, tracking
 from raytpu.errors import RunFailed
 from raytpu.job import Job, Synthesizes
 from raytpu.records import checkpoints as ckpt
@@ -50,8 +52,44 @@ def check_run(cfg: Config, job: Job, mode: str, address: str | None, local: bool
         check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
     check_storage(cfg)
     check_weights(cfg)
+    if mode == "train":
+        check_trackers(with_values(cfg, tracking(cfg)))
     data_root = resolve_data_root(cfg, job, synthesize=None if mode == "train" else False)
     return data_root, check_data(cfg, job, data_root, mode)
+
+
+def check_trackers(cfg: Config, timeout_s: float = 10.0) -> None:
+    """Each tracker of ``logging.report_to`` installed, an MLflow server that answers its health
+    check, and W&B online only with a login: else one line, before anything starts."""
+    log = cfg.logging
+    for name in ("mlflow", "wandb"):
+        if name in log.report_to and importlib.util.find_spec(name) is None:
+            raise ConfigError(
+                f"logging.report_to: {name} is not installed: pip install 'raytpu[{name}]', or leave {name} out "
+                "of --report_to / logging.report_to"
+            )
+    uri = log.mlflow_tracking_uri
+    if "mlflow" in log.report_to and uri.startswith(("http://", "https://")):
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"the MLflow tracking server at {uri} does not answer ({one_line(exc)}): start it (mlflow server), "
+                "or point MLFLOW_TRACKING_URI / logging.mlflow_tracking_uri at one that runs"
+            ) from None
+    if "wandb" in log.report_to and log.wandb_mode == "online" and not wandb_logged_in():
+        raise ConfigError(
+            "W&B online needs a login on every node: set WANDB_API_KEY (or run wandb login), or run with "
+            "WANDB_MODE=offline / logging.wandb_mode=offline and sync later (wandb sync)"
+        )
+
+
+def wandb_logged_in() -> bool:
+    """An API key in the environment or in ``~/.netrc`` (what ``wandb login`` writes)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="replace")
 
 
 def check_storage(cfg: Config) -> None:

@@ -32,6 +32,7 @@ from raytpu.driver.search import Search, parse_search, searches_of
 from raytpu.job import Job
 from raytpu.records import goodput
 from raytpu.records.goodput import Command
+from raytpu.records.trackers import TRACKERS
 from raytpu.runtime.placement import concurrent_fits
 from raytpu.storage.filesystems import join
 from raytpu.storage.run_folder import RunFolder
@@ -79,8 +80,9 @@ def scaled_lr(lr: float, batch: int, tune_cfg: Any, config_batch: int) -> float:
     return lr
 
 
-def run_trial(values: dict[str, Any], sweep_plan: dict[str, Any], runs_dir: str) -> None:
-    """The Tune trainable: the trial's plan (the sweep's, remade with the trial's values), its ``TorchTrainer``."""
+def run_trial(values: dict[str, Any], sweep_plan: dict[str, Any], runs_dir: str, parent: dict[str, str]) -> None:
+    """The Tune trainable: the trial's plan (the sweep's, remade with the trial's values), its ``TorchTrainer``;
+    ``parent``: the sweep's tracker settings (its MLflow run, its W&B group)."""
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -89,7 +91,7 @@ def run_trial(values: dict[str, Any], sweep_plan: dict[str, Any], runs_dir: str)
 
     command = Command()  # the trial: its goodput counts from its own start
     trial_id = tune.get_context().get_trial_id()
-    plan = trial_plan(Plan.from_dict(sweep_plan), values, trial_id, runs_dir, command)
+    plan = trial_plan(Plan.from_dict(sweep_plan), values, trial_id, runs_dir, command, parent)
     stage(plan)
     folder = RunFolder(plan.run_dir)
     goodput.begin(folder, command)
@@ -101,13 +103,20 @@ def run_trial(values: dict[str, Any], sweep_plan: dict[str, Any], runs_dir: str)
         goodput.end(folder, command, outcome)
 
 
-def trial_plan(sweep: Plan, values: dict[str, Any], trial_id: str, runs_dir: str, command: Command) -> Plan:
+def trial_plan(
+    sweep: Plan,
+    values: dict[str, Any],
+    trial_id: str,
+    runs_dir: str,
+    command: Command,
+    parent: dict[str, str] | None = None,
+) -> Plan:
     """A trial's plan: the sweep's, made again by the one plan function from the user's config
     with the trial's values (and its learning-rate scaling), in a folder of its own; its batch is
     checked against the data as the sweep's was."""
     trial = {**values, "optim.lr": trial_config(sweep.asked, values).optim.lr}
     # the sweep records the searched values, early-stopped trials included
-    trial.update({"run.name": trial_id, "run.storage_path": runs_dir, "logging.hparams": False})
+    trial.update({"run.name": trial_id, "run.storage_path": runs_dir, "logging.hparams": False, **(parent or {})})
     return sweep.remade(trial, command=command.id, started=command.started)
 
 
@@ -227,8 +236,9 @@ def sweep(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
     sweep = Sweep(cfg, job, searches, plan.facts.data_root)
     concurrent = max_concurrent_trials(plan.config, read_offer(this_machine=joined_here()).capacities())
     runs = join(sweep.dir, "runs")
+    parent = sweep_trackers(plan.config, sweep)
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, sweep_plan=plan.as_dict(), runs_dir=runs),
+        tune.with_parameters(run_trial, sweep_plan=plan.as_dict(), runs_dir=runs, parent=parent),
         DRIVER_RESOURCES,
     )
     tuner = make_tuner(sweep, trainable, concurrent)
@@ -238,8 +248,43 @@ def sweep(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
         flush=True,
     )
     wait_for_workers(plan)  # the first trial's nodes; later trials find them up, or wait in Ray Train
-    results = tuner.fit()
+    try:
+        results = tuner.fit()
+    finally:
+        end_sweep_trackers(plan.config, parent)
     return finish(sweep, results)
+
+
+def sweep_trackers(cfg: Config, sweep: Sweep) -> dict[str, str]:
+    """What each trial's trackers hang under: an MLflow run of the sweep, the parent of each trial's
+    run (the same one when the sweep resumes: its id is kept in the sweep's folder), and a W&B
+    group named after the sweep."""
+    parent: dict[str, str] = {}
+    if "wandb" in cfg.logging.report_to:
+        parent["logging.wandb_group"] = sweep.name
+    if "mlflow" in cfg.logging.report_to:
+        from mlflow.tracking import MlflowClient
+
+        folder, log = RunFolder(sweep.dir), cfg.logging
+        saved = json.loads(folder.read_text(TRACKERS) or "{}").get("mlflow", {}).get("run_id", "")
+        client = MlflowClient(log.mlflow_tracking_uri)
+        if saved:
+            client.update_run(saved, status="RUNNING")
+        else:
+            found = client.get_experiment_by_name(log.experiment)
+            experiment = found.experiment_id if found else client.create_experiment(log.experiment)
+            saved = client.create_run(experiment, run_name=sweep.name, tags={"raytpu.sweep": sweep.name}).info.run_id
+            folder.write_text(TRACKERS, json.dumps({"mlflow": {"run_id": saved}}, indent=2))
+        parent["logging.mlflow_parent_run"] = saved
+    return parent
+
+
+def end_sweep_trackers(cfg: Config, parent: dict[str, str]) -> None:
+    run_id = parent.get("logging.mlflow_parent_run")
+    if run_id:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(cfg.logging.mlflow_tracking_uri).set_terminated(run_id)
 
 
 def make_tuner(sweep: Sweep, trainable: Any, concurrent: int) -> Any:

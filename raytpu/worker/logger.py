@@ -1,4 +1,5 @@
-"""Rank-0 logging: TensorBoard event files and a console progress bar."""
+"""Rank-0 logging: TensorBoard event files, the trackers of ``logging.report_to`` (MLflow, W&B:
+``raytpu.worker.trackers``) and a console progress bar."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from raytpu.records.trackers import WANDB, Trackers
 from raytpu.storage.run_folder import RunFolder
 
 #: the run folder's TensorBoard log dir
@@ -31,8 +33,11 @@ class RunLogger:
         total: int,
         initial: int,
         flush_every_s: float = 0.0,
+        trackers: Trackers | None = None,
     ) -> None:
+        """``trackers``: where the same scalars go besides TensorBoard (rank 0's)."""
         self.enabled, self.folder = enabled, folder
+        self.trackers = trackers if trackers is not None else Trackers([], print)
         self.writer = None
         self.bar = None
         self._closing = threading.Event()
@@ -54,6 +59,7 @@ class RunLogger:
             )
 
     def scalars(self, values: dict[str, float], step: int) -> None:
+        self.trackers.scalars(values, step)
         if self.writer is None:
             return
         for key, value in values.items():
@@ -76,6 +82,24 @@ class RunLogger:
         whose batch the finder stepped down, shows at that step what it trains with from there."""
         if self.writer is not None:
             self.writer.add_text("config", "    " + text.replace("\n", "\n    "), step)  # a markdown code block
+
+    def parameters(self, config: dict[str, Any]) -> None:
+        """The config's single values, as the trackers' run parameters (a new tracker run's only)."""
+        self.trackers.params(dotted_values(config))
+
+    def tags(self, values: dict[str, str]) -> None:
+        """Facts of the run the trackers show beside its parameters (the best checkpoint's location)."""
+        self.trackers.tags(values)
+
+    def drain_trackers(self) -> None:
+        """Wait until the trackers have sent everything logged so far (before a checkpoint is
+        reported: a run that resumes from it re-logs only the steps after it)."""
+        self.trackers.drain()
+
+    def tracked(self, values: dict[str, float], step: int) -> None:
+        """Scalars for the trackers only (the run's goodput at its end: TensorBoard gets the
+        driver's, which counts the start-up too)."""
+        self.trackers.scalars(values, step)
 
     def hyperparameters(self, config: dict[str, Any], metrics: list[str]) -> None:
         """The config's single values under dotted names in the HPARAMS tab, lined up against
@@ -118,7 +142,11 @@ class RunLogger:
             except OSError as exc:
                 print(f"warning: TensorBoard events not copied to {self.folder.location} this round ({exc})")
 
-    def close(self) -> None:
+    def close(self, completed: bool = True) -> None:
+        """``completed``: the run ended its training (the trackers' runs end as finished, else killed)."""
+        self.trackers.close(completed)
+        if self.trackers and self.folder.remote:
+            self.folder.sync(WANDB)  # a W&B run's files (an offline run's whole history)
         self._closing.set()
         if self._uploader is not None:
             self._uploader.join()

@@ -41,6 +41,7 @@ from raytpu.job import (
 )
 from raytpu.records import checkpoints as ckpt
 from raytpu.records.goodput import Command
+from raytpu.records.trackers import Trackers, open_trackers
 from raytpu.runtime.base import Runtime
 from raytpu.storage.run_folder import RunFolder
 from raytpu.worker.cadence import Cadence, Scoreboard
@@ -171,16 +172,20 @@ class Trainer:
         self._build()
         self._resume()
         cfg = self.cfg
+        trackers = self._open_trackers()
         self.logger = RunLogger(
             self.folder,
             self.runtime.is_main,
-            cfg.logging.tensorboard,
+            cfg.logging.tensorboard and "tensorboard" in cfg.logging.report_to,
             cfg.logging.progress_bar,
             self.total_steps,
             self.progress.step,
             cfg.logging.flush_every_s,
+            trackers,
         )
         self.logger.config(dump_yaml(cfg), self.progress.step)
+        self.logger.parameters(to_dict(cfg))
+        completed = False
         try:
             if self.progress.step >= self.total_steps:
                 self._message(f"run already complete at step {self.progress.step}; nothing to do")
@@ -189,10 +194,20 @@ class Trainer:
             self.clock.record(final=True)
             if cfg.logging.hparams:
                 self.logger.hyperparameters(to_dict(cfg), [f"valid/{self.job.main_metric}", "train/loss"])
+            self.logger.tracked({"goodput": self.clock.goodput()}, self.progress.step)
+            completed = self.progress.step >= self.total_steps
             return metrics
         finally:
             self.runtime.finish()
-            self.logger.close()
+            self.logger.close(completed)
+
+    def _open_trackers(self) -> Trackers | None:
+        """Rank 0's trackers of ``logging.report_to`` (MLflow, W&B), continuing their runs when this
+        run resumed from a checkpoint."""
+        if not self.runtime.is_main or not set(self.cfg.logging.report_to) - {"tensorboard"}:
+            return None
+        resumed = self.progress.step > 0
+        return open_trackers(self.cfg.logging, self.folder, self.cfg.run.name, resumed, self._message)
 
     def _train(self) -> dict[str, float]:
         p = self.progress
@@ -405,7 +420,12 @@ class Trainer:
             shutil.rmtree(directory, ignore_errors=True)
             raise
         self.clock.record()  # once a checkpoint, before it can be resumed from: a kill after it loses no time
-        self.reporter.report(report, directory, f"checkpoint_{p.step:08d}")
+        name = f"checkpoint_{p.step:08d}"
+        self.logger.drain_trackers()
+        self.reporter.report(report, directory, name)
+        self.logger.tags({"latest_checkpoint": self.folder.uri(name)})
+        if scored and report["score"] == report["best"]:
+            self.logger.tags({"best_checkpoint": self.folder.uri(name), "best_step": str(p.step)})
         for callback in self.callbacks:
             callback.on_checkpoint(self, report)
 
