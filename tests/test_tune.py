@@ -5,6 +5,7 @@ sweep on the session's local Ray instance."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -214,6 +215,11 @@ def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_sessi
     events = EventAccumulator(str(trial_runs[0] / "tensorboard"))
     events.Reload()
     assert events.PluginTagToContent("hparams") and "valid/Fa" in events.Tags()["scalars"]
+    summaries = {row["trial"]: json.loads((tmp_path / "asha" / "runs" / row["trial"] / "summary.json").read_text())
+                 for row in rows}  # fmt: skip
+    outcomes = {"done": "completed", "stopped early": "stopped"}
+    assert all(summaries[row["trial"]]["status"] == outcomes[row["status"]] for row in rows), summaries
+    assert all(summary["best_checkpoint"].startswith("checkpoint_") for summary in summaries.values()), summaries
 
     best = Path(summary["best_config"])
     cfg_best, job_best = load_config(best, [f"run.storage_path={tmp_path / 'best'}", "loop.epochs=1"])

@@ -10,6 +10,7 @@ CPU and the number of concurrent trials is derived from what the cluster can fit
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import io
@@ -31,6 +32,7 @@ from raytpu.driver.ray_trainer import ray_storage, wait_for_workers, worker_bund
 from raytpu.driver.search import Search, parse_search, searches_of
 from raytpu.job import Job
 from raytpu.records import goodput
+from raytpu.records import summary as run_summary
 from raytpu.records.goodput import Command
 from raytpu.records.trackers import TRACKERS
 from raytpu.runtime.placement import concurrent_fits
@@ -331,6 +333,8 @@ def finish(sweep: Sweep, results: Any) -> dict[str, Any]:
     for result in results:
         status = "ERROR" if result.error else "TERMINATED"
         rows.append(sweep.row(trial_id_of(result), dict(result.config), result.metrics, status))
+        with contextlib.suppress(OSError):  # a store that stopped answering: the table still prints
+            write_trial_summary(sweep, rows[-1])
     print("\n" + format_table(rows, sweep.columns), flush=True)
     folder = RunFolder(sweep.dir)
     folder.write_text("results.csv", csv_text(rows, sweep.columns))
@@ -348,6 +352,29 @@ def finish(sweep: Sweep, results: Any) -> dict[str, Any]:
     print(f"results:      {csv_path}")
     print(f"tensorboard:  tensorboard --logdir {folder.uri('runs')}  (HPARAMS tab compares the trials)", flush=True)
     return summary
+
+
+#: a trial's status in the sweep's table -> its run's outcome in summary.json
+TRIAL_OUTCOMES = {"done": "completed", "stopped early": "stopped"}
+
+
+def write_trial_summary(sweep: Sweep, row: dict[str, Any]) -> None:
+    """Each trial's ``summary.json``, as a ``raytpu train`` run writes its own: written here, once
+    Tune has the trial's end (its actor is ended as soon as Tune has its last result), from its
+    checkpoints' ``meta.json`` (the best by the job's main metric on the validation split)."""
+    from raytpu.driver.commands import summary_of
+
+    folder = RunFolder(join(sweep.dir, "runs", row["trial"]))
+    main, mode = f"valid/{sweep.job.main_metric}", sweep.job.main_metric_mode
+    worst = -math.inf if mode == "max" else math.inf
+    reported = [
+        (folder.uri(meta["name"]), {**meta["metrics"], "step": meta["step"], "score": meta["metrics"].get(main, worst)})
+        for meta in run_summary.checkpoints(folder)
+    ]
+    ended = summary_of(folder.location, reported, mode).record()
+    outcome = TRIAL_OUTCOMES.get(row["status"], "failed")
+    record = goodput.read_record(folder)
+    run_summary.write(folder, outcome, ended, {**record, **goodput.breakdown(record)})
 
 
 def trial_id_of(result: Any) -> str:
