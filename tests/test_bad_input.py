@@ -163,6 +163,10 @@ CASES = {  # name: (argv after `raytpu`, text the error line must contain)
         ["train", SMALL, "--local", "scaling.device_memory_gb=0.01"],
         "more than 90% of the 0.01 GB of a device (scaling.device_memory_gb): shard the model over the workers",
     ),
+    "a tracking server that does not answer": (
+        ["train", SMALL, "--report_to", "mlflow", "logging.mlflow_tracking_uri=http://127.0.0.1:9"],
+        "the MLflow tracking server at http://127.0.0.1:9 does not answer",
+    ),
     "credentials in the storage URI": (
         ["submit", SMALL, "--output_dir", "s3://b/runs?secret_key=x", "--address", "http://127.0.0.1:8265"],
         "carries secret_key: credentials never go into a path",
