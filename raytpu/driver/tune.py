@@ -226,6 +226,25 @@ class TableCallback(Callback):
         self._print(trials, force=True, ended=trial, status="ERROR")
 
 
+class TrialSummaries(Callback):
+    """Each trial's ``summary.json`` when Tune has its end (:func:`write_trial_summary`); a trial
+    that ended in an earlier run of a resumed sweep keeps its own."""
+
+    def __init__(self, sweep: Sweep) -> None:
+        self.sweep = sweep
+
+    def _write(self, trial: Any, status: str) -> None:
+        row = self.sweep.row(trial.trial_id, dict(trial.config), trial.last_result, status)
+        with contextlib.suppress(OSError):  # a store that stopped answering: the sweep goes on
+            write_trial_summary(self.sweep, row)
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._write(trial, "TERMINATED")
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._write(trial, "ERROR")
+
+
 # -------------------------------------------------------------------- run
 def sweep(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
     """Run (or resume) the sweep; write the table, ``results.csv`` and ``best.yaml``."""
@@ -322,7 +341,7 @@ def make_tuner(sweep: Sweep, trainable: Any, concurrent: int) -> Any:
         run_config=tune.RunConfig(
             name=sweep.name,
             **storage,
-            callbacks=[TableCallback(sweep)],
+            callbacks=[TableCallback(sweep), TrialSummaries(sweep)],
             verbose=0,
         ),
     )
@@ -333,8 +352,6 @@ def finish(sweep: Sweep, results: Any) -> dict[str, Any]:
     for result in results:
         status = "ERROR" if result.error else "TERMINATED"
         rows.append(sweep.row(trial_id_of(result), dict(result.config), result.metrics, status))
-        with contextlib.suppress(OSError):  # a store that stopped answering: the table still prints
-            write_trial_summary(sweep, rows[-1])
     print("\n" + format_table(rows, sweep.columns), flush=True)
     folder = RunFolder(sweep.dir)
     folder.write_text("results.csv", csv_text(rows, sweep.columns))
@@ -359,9 +376,10 @@ TRIAL_OUTCOMES = {"done": "completed", "stopped early": "stopped"}
 
 
 def write_trial_summary(sweep: Sweep, row: dict[str, Any]) -> None:
-    """Each trial's ``summary.json``, as a ``raytpu train`` run writes its own: written here, once
-    Tune has the trial's end (its actor is ended as soon as Tune has its last result), from its
-    checkpoints' ``meta.json`` (the best by the job's main metric on the validation split)."""
+    """A trial's ``summary.json``, as a ``raytpu train`` run writes its own, from its checkpoints'
+    ``meta.json`` (the best by the job's main metric on the validation split): written by the
+    sweep's driver at the trial's end (:class:`TrialSummaries`), since Tune ends the trial's actor as
+    soon as it has the last result."""
     from raytpu.driver.commands import summary_of
 
     folder = RunFolder(join(sweep.dir, "runs", row["trial"]))
