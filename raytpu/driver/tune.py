@@ -341,7 +341,7 @@ def make_tuner(sweep: Sweep, trainable: Any, concurrent: int) -> Any:
         run_config=tune.RunConfig(
             name=sweep.name,
             **storage,
-            callbacks=[TableCallback(sweep), TrialSummaries(sweep)],
+            callbacks=[TrialSummaries(sweep), TableCallback(sweep)],  # a trial shown done has its summary
             verbose=0,
         ),
     )
