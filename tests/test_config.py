@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -48,6 +50,33 @@ def test_bad_overrides_name_the_fix(tmp_path, override, message):
     path = write(tmp_path, "job: {name: tests.toy_job}\n")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(path, [override])
+
+
+def test_command_line_values_mean_what_was_typed(tmp_path):
+    """A value typed on the command line is read by its field's type, never by YAML 1.1's rules
+    (which read 0755 as octal 493, no as false, 1:30 as base-60 90)."""
+    path = write(tmp_path, "job: {name: tests.toy_job}\n")
+    cfg, _ = load_config(path, ["run.name=0755", "logging.experiment=no", "--learning_rate", "1e-4"])
+    assert cfg.run.name == "0755" and cfg.logging.experiment == "no" and cfg.optim.lr == pytest.approx(1e-4)
+    cfg, _ = load_config(path, ["--run_name", "on", "loop.epochs=0010", "data.shuffle=no", "optim.betas=[0.9, 0.95]"])
+    assert cfg.run.name == "on" and cfg.loop.epochs == 10 and cfg.data.shuffle is False
+    assert cfg.optim.betas == [0.9, 0.95]
+    for typed, message in (
+        ("optim.lr=1:30", "optim.lr must be a number (float), got '1:30'"),
+        ("loop.epochs=0x1F", "loop.epochs must be a number (int), got '0x1F'"),
+        ("loop.epochs=3.5", "loop.epochs must be a number (int), got '3.5'"),
+        ("data.shuffle=off", "data.shuffle must be true or false, got 'off'"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(path, [typed])
+
+
+def test_config_files_are_read_by_yaml_1_2(tmp_path):
+    """A file's 1e-4 is a number and 1:30 is text (YAML 1.2's core schema), as in most YAML tools."""
+    path = write(tmp_path, "job: {name: tests.toy_job}\noptim: {lr: 1e-4}\nrun: {name: 1:30}\n")
+    cfg, _ = load_config(path)
+    assert cfg.optim.lr == pytest.approx(1e-4) and cfg.run.name == "1:30"
+    assert from_dict(yaml.safe_load(dump_yaml(cfg)))[0].run.name == "1:30"
 
 
 def test_unknown_key_in_file_and_unknown_flag(tmp_path):

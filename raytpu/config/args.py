@@ -1,9 +1,14 @@
 """The one argument layer: dotted overrides, flag aliases and subcommand options, for every command.
 
-Words after a config on the command line are ``section.key=value`` overrides (values read as
-YAML), flags a job or a tool accepts as aliases of config keys (``--batch-size 8``), and the
-subcommand's own options (``--address``, ``--search``, ``--no-wait``). :func:`extract` takes a
-command's own options out; :func:`read_overrides` turns the rest into :class:`Override` values.
+Words after a config on the command line are ``section.key=value`` overrides, flags a job or a
+tool accepts as aliases of config keys (``--batch-size 8``), and the subcommand's own options
+(``--address``, ``--search``, ``--no-wait``). :func:`extract` takes a command's own options out;
+:func:`read_overrides` turns the rest into :class:`Override` values.
+
+A value that sets one key stays the text the user typed (:class:`Typed`) until its field's type
+is known (``raytpu.config.loading.coerce``), as argparse reads a flag by its ``type``: a string
+field keeps ``0755`` and ``no`` as typed, a number field takes a decimal number or refuses. Values
+that are lists, mappings or a flag's own argument are read as YAML 1.2 (``raytpu.config.yaml_core``).
 """
 
 from __future__ import annotations
@@ -18,18 +23,22 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
+from raytpu.config import yaml_core
 from raytpu.errors import ConfigError
 
 #: ``section.key=value``: never the value of a flag
 OVERRIDE = re.compile(r"^[A-Za-z_]\w*\.[\w.]*=")
 
 
+class Typed(str):
+    """A value as typed on the command line, read by the type of the field it sets."""
+
+
 def parse_value(text: str) -> Any:
+    """``text`` read as YAML 1.2 (a list, a mapping, a number...); as it is when it is no YAML."""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return yaml_core.load(text)
+    except yaml_core.yaml.YAMLError:
         return text
 
 
@@ -78,15 +87,16 @@ class Flag:
     switch: bool = False
     convert: Callable[[Any], list[tuple[str, Any]]] | None = None
     ignored: str = ""  # why the flag has no effect (printed as a warning)
-    text: bool = False  # the value as typed, not read as YAML (``--profile 3:5``: YAML 1.1 reads 185)
+    text: bool = False  # ``convert`` takes the value as typed, not read as YAML
 
     def pairs(self, flag: str, value: Any) -> list[tuple[str, Any]]:
         if self.ignored:
             warn(f"{flag} {value} is ignored: {self.ignored}")
             return []
+        typed = isinstance(value, str)  # a switch's value is already a bool
         if self.convert is not None:
-            return self.convert(value)
-        return [(self.key, value)]
+            return self.convert(parse_value(value) if typed and not self.text else value)
+        return [(self.key, Typed(value) if typed else value)]
 
 
 Alias = str | Flag
@@ -142,7 +152,7 @@ def read_overrides(items: list[str], aliases: Mapping[str, Alias]) -> list[Overr
                 index += 1
             if not value.strip():
                 raise ConfigError(f"flag {flag} has an empty value; write {flag}=VALUE")
-            pairs = rule.pairs(flag, value if rule.text else parse_value(value))
+            pairs = rule.pairs(flag, value)
             overrides.extend(Override(key, v, typed) for key, v in pairs)
         elif "=" in item:
             key, value = item.split("=", 1)
@@ -151,7 +161,7 @@ def read_overrides(items: list[str], aliases: Mapping[str, Alias]) -> list[Overr
             if not value.strip():
                 raise ConfigError(f"override {item!r} has no value; write {key}=VALUE")
             alias = aliases.get(key, key)
-            overrides.append(Override(alias if isinstance(alias, str) else alias.key or key, parse_value(value), item))
+            overrides.append(Override(alias if isinstance(alias, str) else alias.key or key, Typed(value), item))
         else:
             raise ConfigError(f"override {item!r} is not key=value (e.g. optim.lr=0.01)")
     return overrides

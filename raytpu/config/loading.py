@@ -1,9 +1,10 @@
 """Reading a config: YAML files, dotted overrides and seed-script aliases, into the typed sections.
 
-A config file is YAML with one section per dataclass of ``raytpu.config.schema`` plus ``job:``
-(the job's own dataclass, selected by ``job.name``). Command-line overrides are
-``section.key=value`` (values parsed as YAML) or a seed script's flag (``--batch-size 8``), read
-by ``raytpu.config.args``. Any unknown key fails with the closest valid keys. The result is
+A config file is YAML (read by the 1.2 core schema: ``raytpu.config.yaml_core``) with one section
+per dataclass of ``raytpu.config.schema`` plus ``job:`` (the job's own dataclass, selected by
+``job.name``). Command-line overrides are ``section.key=value`` or a seed script's flag
+(``--batch-size 8``), read by ``raytpu.config.args``; their values are read by the type of the
+field they set (:func:`coerce`). Any unknown key fails with the closest valid keys. The result is
 frozen: :func:`with_values` makes a changed copy.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -19,7 +21,18 @@ from typing import Any
 
 import yaml
 
-from raytpu.config.args import Alias, ConfigError, Flag, Override, mapping_as_flags, read_overrides
+from raytpu.config import yaml_core
+from raytpu.config.args import (
+    BOOLEAN_WORDS,
+    Alias,
+    ConfigError,
+    Flag,
+    Override,
+    Typed,
+    mapping_as_flags,
+    parse_value,
+    read_overrides,
+)
 from raytpu.config.origins import Origins, yaml_lines
 from raytpu.config.schema import Config
 from raytpu.config.training_args import TRAINING_ARGUMENTS
@@ -167,7 +180,7 @@ def read_yaml(path: Path) -> Any:
 
 def parse_yaml(path: Path, text: str) -> Any:
     try:
-        return yaml.safe_load(text) or {}
+        return yaml_core.load(text) or {}
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -212,6 +225,8 @@ def build_dataclass(cls: type, raw: Any, prefix: str, substitutions: dict[str, t
 
 def coerce(value: Any, field_type: Any, key: str) -> Any:
     """Check/convert ``value`` to ``field_type`` with a message naming ``key``."""
+    if isinstance(value, Typed):
+        value = read_typed(value, field_type, key)
     if dataclasses.is_dataclass(field_type):
         return build_dataclass(field_type, value, f"{key}.")
     origin = typing.get_origin(field_type)
@@ -246,6 +261,28 @@ def coerce(value: Any, field_type: Any, key: str) -> Any:
     if field_type in (int, float):
         raise ConfigError(f"{key} must be a number ({field_type.__name__}), got {value!r}")
     return value
+
+
+def read_typed(text: Typed, field_type: Any, key: str) -> Any:
+    """A value typed on the command line, read as its field asks (argparse's ``type``): a string as
+    typed, a boolean from true/false/yes/no/1/0, a whole or decimal number written in decimal, or
+    one line naming the field and the text; lists, mappings and the rest as YAML 1.2."""
+    if field_type is str:
+        return str(text)
+    if field_type is bool:
+        if text.strip().lower() not in BOOLEAN_WORDS:
+            raise ConfigError(f"{key} must be true or false, got {str(text)!r}")
+        return BOOLEAN_WORDS[text.strip().lower()]
+    if field_type is int:
+        if not re.fullmatch(r"[-+]?[0-9]+", text.strip()):
+            raise ConfigError(f"{key} must be a number (int), got {str(text)!r}")
+        return int(text.strip())
+    if field_type is float:
+        try:
+            return float(text.strip())
+        except ValueError:
+            raise ConfigError(f"{key} must be a number (float), got {str(text)!r}") from None
+    return parse_value(str(text))
 
 
 def unknown_key_message(key: str, valid: list[str]) -> str:
@@ -286,6 +323,7 @@ def replaced(root: Any, target: Any, parts: list[str], value: Any, key: str) -> 
     if not rest:
         return dataclasses.replace(target, **{name: coerce(value, field_type, key)})
     if isinstance(current, dict):  # a free-form mapping (a Transformers config's fields): any key
+        value = parse_value(str(value)) if isinstance(value, Typed) else value
         return dataclasses.replace(target, **{name: with_item(current, rest, value)})
     if len(rest) == 1 and rest[0].isdigit() and isinstance(current, list):
         index = int(rest[0])

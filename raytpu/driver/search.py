@@ -58,13 +58,13 @@ def parse_search(text: str) -> Search:
 
 
 def make_search(key: str, kind: str, body: str, text: str) -> Search:
-    import yaml
+    from raytpu.config import yaml_core
 
     if kind not in DOMAINS:
         raise ConfigError(f"search {text!r}: unknown domain {kind!r}; use one of {', '.join(DOMAINS)}")
     try:
-        args = yaml.safe_load(f"[{body}]")
-    except yaml.YAMLError as exc:
+        args = yaml_core.load(f"[{body}]")
+    except yaml_core.yaml.YAMLError as exc:
         raise ConfigError(f"search {text!r}: cannot read the arguments {body!r}") from exc
     args = [float(a) if isinstance(a, str) and _is_number(a) else a for a in args]
     arity = DOMAINS[kind]
