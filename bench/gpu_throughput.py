@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.loop_overhead import raytpu_loop, synchronize  # noqa: E402
 from raytpu.config import load_config, with_values  # noqa: E402
 from raytpu.config.memory import estimate_run  # noqa: E402
-from raytpu.runtime.base import compiles, resolve_precision  # noqa: E402
+from raytpu.runtime.base import compiles, local_gpu_has_bf16, resolve_precision  # noqa: E402
 from raytpu.runtime.peaks import gpu_peak_flops  # noqa: E402
 
 CONFIG = "jobs/causal_lm/small.yaml"
@@ -132,7 +132,7 @@ def hand_written(cfg, job, data_root: Path, warmup: int, steps: int, device: str
 
 def raytpu_defaults(device: str) -> tuple[str, str]:
     """The precision and compile mode raytpu's ``auto`` picks on ``device``."""
-    bf16 = device != "cuda" or torch.cuda.is_bf16_supported()
+    bf16 = device != "cuda" or local_gpu_has_bf16()
     precision, _ = resolve_precision(device, "auto", bf16)
     return precision, "default" if compiles(device, "auto") else ""
 

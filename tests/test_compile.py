@@ -43,6 +43,19 @@ def test_auto_precision_is_bf16_on_gpus_that_have_it_and_says_why():
     assert cuda_plan("accelerator_type:T4", precision="fp32").config.scaling.precision == "fp32"
 
 
+def test_a_gpu_has_bf16_by_its_compute_capability_not_by_emulation(monkeypatch):
+    """V100 (7.0) and T4 (7.5) emulate bf16, and ``torch.cuda.is_bf16_supported()`` says yes there:
+    a worker on them runs fp16 with a gradient scaler, which is their fast path."""
+    from raytpu.runtime.base import has_bf16, local_gpu_has_bf16
+
+    assert [has_bf16(c) for c in ((6, 0), (7, 0), (7, 5), (8, 0), (8, 9), (9, 0))] == [False] * 3 + [True] * 3
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert not local_gpu_has_bf16()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert local_gpu_has_bf16()
+
+
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -147,8 +147,10 @@ def cuda_devices() -> dict[str, Any]:
         return {"available": False, "count": 0, "error": one_line(exc)}
     if not torch.cuda.is_available():
         return {"available": False, "count": 0, "cuda_build": torch.version.cuda}
+    from raytpu.runtime.base import local_gpu_has_bf16
+
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"available": True, "count": len(names), "names": names, "bf16": bool(torch.cuda.is_bf16_supported())}
+    return {"available": True, "count": len(names), "names": names, "bf16": local_gpu_has_bf16(0)}
 
 
 def cpu_devices() -> dict[str, Any]:

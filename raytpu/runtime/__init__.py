@@ -17,6 +17,7 @@ from raytpu.runtime.base import (
     Runtime,
     batchnorm_scope,
     clip_or_measure,
+    local_gpu_has_bf16,
     pick_runtime,
     resolve_precision,
     tpu_present,
@@ -57,7 +58,7 @@ def make_runtime(
             "scaling.runtime=cuda but this worker sees no GPU: check the node's GPU (nvidia-smi, "
             "CUDA_VISIBLE_DEVICES), or run with scaling.runtime=cpu"
         )
-    bf16_ok = runtime != "cuda" or torch.cuda.is_bf16_supported()
+    bf16_ok = runtime != "cuda" or local_gpu_has_bf16()
     resolved, message = resolve_precision(runtime, precision, bf16_ok)
     if message:
         warn(message)

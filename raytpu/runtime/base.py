@@ -29,6 +29,22 @@ def pick_runtime(requested: str, tpu_present: bool, cuda_present: bool) -> str:
 #: GPUs without bf16 (before Ampere), by the names Ray gives them (``accelerator_type:<name>``)
 GPUS_WITHOUT_BF16 = frozenset({"K80", "M60", "P4", "P40", "P100", "V100", "T4"})
 
+#: the first CUDA compute capability with bf16 tensor cores (Ampere)
+BF16_CAPABILITY = (8, 0)
+
+
+def has_bf16(capability: tuple[int, int]) -> bool:
+    """Whether a GPU of this compute capability computes in bf16 natively. Not
+    ``torch.cuda.is_bf16_supported()``, which also says yes where bf16 is only emulated (V100, T4:
+    compute capability 7.x), far slower there than fp16 with a gradient scaler."""
+    return tuple(capability) >= BF16_CAPABILITY
+
+
+def local_gpu_has_bf16(device: int | None = None) -> bool:
+    """:func:`has_bf16` of this process's GPU (the current one unless ``device`` says)."""
+    return has_bf16(torch.cuda.get_device_capability(device))
+
+
 #: why ``precision: auto`` picked what it did, per runtime and precision (the header, ``raytpu doctor``)
 AUTO_PRECISION_REASONS = {
     ("xla", "bf16"): "TPUs compute in bf16",
