@@ -4,6 +4,7 @@ and the library and its command line run with only the core dependencies."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import zipfile
@@ -83,3 +84,37 @@ def test_a_job_whose_extra_is_missing_is_one_line_naming_it():
     )
     done = core_python("import sys, raytpu.cli; sys.exit(raytpu.cli.main(['train', 'jobs/causal_lm/small.yaml']))")
     assert done.returncode == 2 and "pip install 'raytpu[lm]'" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_mlflow_extra_alone_opens_the_default_store(tmp_path):
+    """``pip install 'raytpu[mlflow]'`` then ``--report_to mlflow`` without a server: the extra's own
+    packages (mlflow-skinny, no server, no Flask), in a fresh environment, open the default store
+    (an SQLite file beside the runs: ``raytpu.config.plan.default_tracking_uri``) through raytpu's
+    tracker and read the run back."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["mlflow"]
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "-q", *extra, "pyarrow>=15"]  # pyarrow: the core's, for the run folder
+    done = subprocess.run(pip, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    store, folder = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "run"
+    script = f"""
+import importlib.util, json, types
+from raytpu.records.trackers import open_trackers
+from raytpu.storage.run_folder import RunFolder
+assert importlib.util.find_spec("flask") is None, "the whole of mlflow is installed"
+log = types.SimpleNamespace(report_to=["mlflow"], experiment="extra", mlflow_tracking_uri={store!r},
+                            mlflow_parent_run="", wandb_mode="", wandb_group="")
+trackers = open_trackers(log, RunFolder({str(folder)!r}), "run", False, print)
+trackers.params({{"optim.lr": 0.1}})
+trackers.scalars({{"train/loss": 1.5}}, 1)
+trackers.close(True)
+from mlflow.tracking import MlflowClient
+run = MlflowClient({store!r}).get_run(json.load(open({str(folder / "trackers.json")!r}))["mlflow"]["run_id"])
+print(json.dumps([run.info.status, run.data.metrics, run.data.params]))
+"""
+    done = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["FINISHED", {"train/loss": 1.5}, {"optim.lr": "0.1"}]

@@ -5,6 +5,7 @@ it; the one-line refusals before a run starts; a server lost mid-run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -199,6 +200,58 @@ def test_a_tracking_server_lost_mid_run_is_a_warning_and_the_run_finishes(tmp_pa
     assert out.count("warning: MLflow stopped taking this run's metrics") == 1, out[-3000:]
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     assert [event.step for event in events.Scalars("train/loss")] == list(range(1, 17))
+
+
+def test_a_tracker_down_at_start_is_a_warning_and_a_retried_attempt_keeps_its_tracker_run(tmp_path, capsys):
+    """A tracking server that does not answer when a run starts: one warning, the run trains to its
+    end. An attempt that fails before its first checkpoint, retried by the same command, continues
+    the tracker run the first attempt opened (``trackers.json`` names the command), not a new one."""
+    from raytpu.records.goodput import Command
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    cfg, job = load_config(None, [*TOY, "--report_to", "tensorboard,mlflow", f"logging.mlflow_tracking_uri={dead}"])
+    run_dir = tmp_path / "down"
+    Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), run_dir, tmp_path, FolderReporter(run_dir)).fit()
+    out = capsys.readouterr().out
+    assert out.count("warning: MLflow could not open this run's tracker run") == 1, out[-3000:]
+    assert (run_dir / "checkpoint_00000008").is_dir()
+
+    uri, run_dir, command = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "retried", Command()
+    words = [*TOY, "--report_to", "mlflow", f"logging.mlflow_tracking_uri={uri}", "logging.experiment=retries"]
+
+    def attempt(*extra: str) -> str:
+        cfg, job = load_config(None, [*words, *extra])
+        trainer = Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), run_dir, tmp_path, FolderReporter(run_dir),
+                          command=command)  # fmt: skip
+        with contextlib.suppress(RuntimeError):
+            trainer.fit()
+        return json.loads((run_dir / TRACKERS).read_text())["mlflow"]["run_id"]
+
+    first = attempt("job.fail_at_step=3")  # before the first checkpoint (step 8)
+    assert not list(run_dir.glob("checkpoint_*"))
+    assert attempt() == first
+    mlflow = client(uri)
+    runs = mlflow.search_runs([mlflow.get_experiment_by_name("retries").experiment_id])
+    assert [run.info.run_id for run in runs] == [first] and runs[0].info.status == "FINISHED"
+    steps = sorted(metric.step for metric in mlflow.get_metric_history(first, "train/loss"))
+    assert steps == [2, 2, 4, 6, 8], steps  # the failed attempt's step 2, then the retry's
+
+
+def test_a_sweeps_mlflow_run_ends_with_the_sweeps_outcome_and_a_dead_server_never_holds_it(tmp_path, capsys):
+    from raytpu.driver.tune import Sweep, end_sweep_trackers, sweep_trackers
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    words = ["--report_to", "mlflow", f"logging.mlflow_tracking_uri={uri}", "run.name=failing",
+             "logging.experiment=sweeps", f"run.storage_path={tmp_path}"]  # fmt: skip
+    cfg, job = load_config(None, [*TOY, *words])
+    parent = sweep_trackers(cfg, Sweep(cfg, job, []))
+    end_sweep_trackers(cfg, parent, "FAILED")
+    assert client(uri).get_run(parent["logging.mlflow_parent_run"]).info.status == "FAILED"
+    gone = with_values(cfg, {"logging.mlflow_tracking_uri": f"http://127.0.0.1:{free_port()}"})
+    started = time.monotonic()
+    end_sweep_trackers(gone, parent, "FAILED", timeout_s=5)
+    assert time.monotonic() - started < 8
+    assert "warning: MLflow did not take the sweep's end" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ W&B offline

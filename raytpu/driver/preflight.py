@@ -32,6 +32,9 @@ from raytpu.runtime.placement import Bundle, ClusterOffer, Fit, Placement, judge
 from raytpu.storage.filesystems import check_location, diagnose, filesystem, is_remote
 from raytpu.storage.run_folder import RunFolder
 
+#: MLflow tracking stores that are databases (SQLAlchemy's), the default an SQLite file
+DATABASE_STORES = ("sqlite:", "postgresql", "mysql", "mssql")
+
 #: seconds the bucket probe may take (connecting, credentials, a write, a read and a delete)
 BUCKET_TIMEOUT_S = 30.0
 
@@ -69,6 +72,11 @@ def check_trackers(cfg: Config, timeout_s: float = 10.0) -> None:
                 "of --report_to / logging.report_to"
             )
     uri = log.mlflow_tracking_uri
+    if "mlflow" in log.report_to and uri.startswith(DATABASE_STORES) and importlib.util.find_spec("sqlalchemy") is None:
+        raise ConfigError(
+            f"logging.report_to: MLflow's store {uri.split(':')[0]}:// needs sqlalchemy and alembic, which "
+            "pip install 'raytpu[mlflow]' installs with the MLflow client; or point MLFLOW_TRACKING_URI at a server"
+        )
     if "mlflow" in log.report_to and uri.startswith(("http://", "https://")):
         try:
             urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()

@@ -17,6 +17,7 @@ import io
 import json
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 from ray.tune import Callback
 
 from raytpu.cluster.capacity import read_offer
-from raytpu.cluster.connect import joined_here, ray_for_this_command
+from raytpu.cluster.connect import joined_here, one_line, ray_for_this_command
 from raytpu.config import Config, ConfigError, TuneSettings, dump_yaml, load_config, with_values
 from raytpu.config.args import extract
 from raytpu.config.plan import Plan, storage_of
@@ -34,7 +35,7 @@ from raytpu.job import Job
 from raytpu.records import goodput
 from raytpu.records import summary as run_summary
 from raytpu.records.goodput import Command
-from raytpu.records.trackers import TRACKERS
+from raytpu.records.trackers import TRACKERS, quick_mlflow_requests
 from raytpu.runtime.placement import concurrent_fits
 from raytpu.storage.filesystems import join
 from raytpu.storage.run_folder import RunFolder
@@ -269,11 +270,16 @@ def sweep(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
         flush=True,
     )
     wait_for_workers(plan)  # the first trial's nodes; later trials find them up, or wait in Ray Train
+    status = "FAILED"
     try:
-        results = tuner.fit()
+        summary = finish(sweep, tuner.fit())
+        status = "FINISHED"
+        return summary
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
     finally:
-        end_sweep_trackers(plan.config, parent)
-    return finish(sweep, results)
+        end_sweep_trackers(plan.config, parent, status)
 
 
 def sweep_trackers(cfg: Config, sweep: Sweep) -> dict[str, str]:
@@ -286,6 +292,7 @@ def sweep_trackers(cfg: Config, sweep: Sweep) -> dict[str, str]:
     if "mlflow" in cfg.logging.report_to:
         from mlflow.tracking import MlflowClient
 
+        quick_mlflow_requests()
         folder, log = RunFolder(sweep.dir), cfg.logging
         saved = json.loads(folder.read_text(TRACKERS) or "{}").get("mlflow", {}).get("run_id", "")
         client = MlflowClient(log.mlflow_tracking_uri)
@@ -300,12 +307,34 @@ def sweep_trackers(cfg: Config, sweep: Sweep) -> dict[str, str]:
     return parent
 
 
-def end_sweep_trackers(cfg: Config, parent: dict[str, str]) -> None:
+def end_sweep_trackers(cfg: Config, parent: dict[str, str], status: str = "FINISHED", timeout_s: float = 30.0) -> None:
+    """The sweep's MLflow run ended with the sweep's ``status`` (FINISHED, FAILED, KILLED), within
+    ``timeout_s``: a tracking server that stopped answering is a warning, and never hides the
+    sweep's own error or keeps it waiting."""
     run_id = parent.get("logging.mlflow_parent_run")
-    if run_id:
-        from mlflow.tracking import MlflowClient
+    if not run_id:
+        return
+    from mlflow.tracking import MlflowClient
 
-        MlflowClient(cfg.logging.mlflow_tracking_uri).set_terminated(run_id)
+    failure: list[BaseException] = []
+
+    def terminate() -> None:
+        try:
+            MlflowClient(cfg.logging.mlflow_tracking_uri).set_terminated(run_id, status=status)
+        except Exception as exc:
+            failure.append(exc)
+
+    quick_mlflow_requests()
+    thread = threading.Thread(target=terminate, name="raytpu-mlflow-sweep", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive() or failure:
+        reason = one_line(failure[0]) if failure else f"no answer within {timeout_s:g} s"
+        print(
+            f"raytpu: warning: MLflow did not take the sweep's end ({reason}); its run stays RUNNING there",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def make_tuner(sweep: Sweep, trainable: Any, concurrent: int) -> Any:

@@ -10,6 +10,7 @@ others (TensorBoard keeps everything). The tracker's run id is kept in the run f
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -38,6 +39,7 @@ class Sender:
     def __init__(self, name: str, warn: Callable[[str], None]) -> None:
         self.name, self.warn = name, warn
         self.failed = False
+        self.calls = 0  # calls made so far (the first opens the tracker's run)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"raytpu-{name}", daemon=True)
         self._thread.start()
@@ -61,12 +63,11 @@ class Sender:
             try:
                 call(*args, **kwargs)
             except Exception as exc:  # a server that went away: the run goes on without this tracker
+                what = "stopped taking this run's metrics" if self.calls else "could not open this run's tracker run"
                 self.failed = True
                 reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-                self.warn(
-                    f"warning: {self.name} stopped taking this run's metrics ({reason}); the run goes on, "
-                    "its metrics are in TensorBoard"
-                )
+                self.warn(f"warning: {self.name} {what} ({reason}); the run goes on, its metrics are in TensorBoard")
+            self.calls += 1
 
     def drain(self, timeout: float = DRAIN_S) -> None:
         """Wait until every call given so far has been made (or ``timeout`` passed)."""
@@ -79,6 +80,13 @@ class Sender:
         self._thread.join(timeout)
 
 
+def quick_mlflow_requests() -> None:
+    """MLflow's HTTP client retries a request for minutes by default: one retry and a 10 s timeout
+    make a lost tracking server a warning within seconds (a value the user set wins)."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
 class MLflowTracker:
     """One MLflow run through ``MlflowClient`` (no global state): created in the experiment, or
     continued (``run_id``) when the run resumes; params once, metrics in batches, tags; terminated
@@ -87,8 +95,7 @@ class MLflowTracker:
     name = "MLflow"
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str, run_id: str = "", parent: str = "") -> None:
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a lost server: a warning in seconds
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        quick_mlflow_requests()
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri)
@@ -169,58 +176,114 @@ class WandbTracker:
         self.run.finish(exit_code=0 if completed else 1)
 
 
-class Trackers:
-    """The run's trackers on rank 0, each sending from its own :class:`Sender`."""
+class RunRecord:
+    """``trackers.json``: each tracker's run id, and the command that made them (a retry of the same
+    command continues them even before its first checkpoint). Written by each tracker's thread as
+    its run opens, one at a time."""
 
-    def __init__(self, trackers: list[Any], warn: Callable[[str], None]) -> None:
-        self.pairs = [(tracker, Sender(tracker.name, warn)) for tracker in trackers]
+    def __init__(self, folder: RunFolder, command: str) -> None:
+        self.folder, self.command = folder, command
+        self._lock = threading.Lock()
+
+    def saved(self, resumed: bool) -> dict[str, Any]:
+        """The recorded runs to continue: those of a run resumed from a checkpoint, or of an earlier
+        attempt of this same command; else none (a new run starts new tracker runs)."""
+        try:
+            saved = json.loads(self.folder.read_text(TRACKERS) or "{}")
+        except ValueError:
+            return {}
+        same_command = bool(self.command) and saved.get("command") == self.command
+        return saved if resumed or same_command else {}
+
+    def add(self, name: str, ids: dict[str, str]) -> None:
+        with self._lock:
+            try:
+                saved = json.loads(self.folder.read_text(TRACKERS) or "{}")
+            except ValueError:
+                saved = {}
+            if saved.get("command") != self.command:
+                saved = {"command": self.command}
+            saved[name] = ids
+            self.folder.write_text(TRACKERS, json.dumps(saved, indent=2))
+
+
+class Trackers:
+    """The run's trackers on rank 0, each opened and fed from its own :class:`Sender`: a tracking
+    server that does not answer when the run starts is a warning, never a failed attempt."""
+
+    def __init__(
+        self, openers: dict[str, Callable[[], Any]], warn: Callable[[str], None], record: RunRecord | None = None
+    ) -> None:
+        self.record = record
+        self.opened: dict[str, Any] = {}
+        self.senders: dict[str, Sender] = {}
+        for name, opener in openers.items():
+            self.senders[name] = Sender(TRACKER_NAMES[name], warn)
+            self.senders[name].send(self._open, name, opener)
+
+    def _open(self, name: str, opener: Callable[[], Any]) -> None:
+        tracker = opener()
+        self.opened[name] = tracker
+        if self.record is not None:
+            self.record.add(name, tracker.ids())
 
     def __bool__(self) -> bool:
-        return bool(self.pairs)
+        return bool(self.senders)
+
+    def _each(self, method: str, *args: Any, new_only: bool = False) -> None:
+        for name, sender in self.senders.items():
+            sender.send(self._call, name, method, args, new_only)
+
+    def _call(self, name: str, method: str, args: tuple, new_only: bool) -> None:
+        tracker = self.opened[name]
+        if tracker.new or not new_only:
+            getattr(tracker, method)(*args)
 
     def params(self, values: dict[str, Any]) -> None:
         """The config as the run's parameters, once: a resumed tracker run has them already."""
-        for tracker, sender in self.pairs:
-            if tracker.new:
-                sender.send(tracker.params, values)
+        self._each("params", values, new_only=True)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
-        for tracker, sender in self.pairs:
-            sender.send(tracker.scalars, dict(values), step)
+        self._each("scalars", dict(values), step)
 
     def tags(self, values: dict[str, str]) -> None:
-        for tracker, sender in self.pairs:
-            sender.send(tracker.tags, dict(values))
+        self._each("tags", dict(values))
 
     def drain(self) -> None:
         """Every tracker has what it was given (at a checkpoint: what a run resumed from it does not
         log again is already sent)."""
-        for _, sender in self.pairs:
+        for sender in self.senders.values():
             sender.drain()
 
     def close(self, completed: bool) -> None:
-        for tracker, sender in self.pairs:
-            sender.send(tracker.close, completed)
+        self._each("close", completed)
+        for sender in self.senders.values():
             sender.close()
 
 
+#: the trackers by their ``logging.report_to`` names, as the console names them
+TRACKER_NAMES = {"mlflow": MLflowTracker.name, "wandb": WandbTracker.name}
+
+
 def open_trackers(
-    logging: Any, folder: RunFolder, run_name: str, resumed: bool, warn: Callable[[str], None]
+    logging: Any, folder: RunFolder, run_name: str, resumed: bool, warn: Callable[[str], None], command: str = ""
 ) -> Trackers:
     """The trackers ``logging.report_to`` names besides TensorBoard, their runs continued where the
-    run resumes (``trackers.json``), else new ones, whose ids are recorded there."""
-    saved = json.loads(folder.read_text(TRACKERS) or "{}") if resumed else {}
+    run resumes, or where an earlier attempt of ``command`` made them (``trackers.json``), else new
+    ones, whose ids are recorded there. Each opens on its own thread."""
+    record = RunRecord(folder, command)
+    saved = record.saved(resumed)
     experiment = logging.experiment or "raytpu"  # the driver's plan names it; a Trainer made in-process may not
-    made: dict[str, Any] = {}
+    openers: dict[str, Callable[[], Any]] = {}
     if "mlflow" in logging.report_to:
         run_id = saved.get("mlflow", {}).get("run_id", "")
-        made["mlflow"] = MLflowTracker(
-            logging.mlflow_tracking_uri or None, experiment, run_name, run_id, logging.mlflow_parent_run
+        uri = logging.mlflow_tracking_uri or None
+        openers["mlflow"] = functools.partial(
+            MLflowTracker, uri, experiment, run_name, run_id, logging.mlflow_parent_run
         )
     if "wandb" in logging.report_to:
         run_id = saved.get("wandb", {}).get("run_id", "")
         directory = str(folder.local())
-        made["wandb"] = WandbTracker(experiment, run_name, directory, logging.wandb_mode, run_id, logging.wandb_group)
-    if made:
-        folder.write_text(TRACKERS, json.dumps({name: tracker.ids() for name, tracker in made.items()}, indent=2))
-    return Trackers(list(made.values()), warn)
+        mode, group = logging.wandb_mode, logging.wandb_group
+        openers["wandb"] = functools.partial(WandbTracker, experiment, run_name, directory, mode, run_id, group)
+    return Trackers(openers, warn, record)

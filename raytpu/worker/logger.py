@@ -37,7 +37,7 @@ class RunLogger:
     ) -> None:
         """``trackers``: where the same scalars go besides TensorBoard (rank 0's)."""
         self.enabled, self.folder = enabled, folder
-        self.trackers = trackers if trackers is not None else Trackers([], print)
+        self.trackers = trackers if trackers is not None else Trackers({}, print)
         self.writer = None
         self.bar = None
         self._closing = threading.Event()

@@ -97,6 +97,7 @@ class Trainer:
         self.flops_per_sample: float | None = None
         self.tokens_per_sample: int | None = None
         self.peak_flops: float | None = None
+        self.command_id = command.id if command is not None else ""
         recorded = runtime.is_main and command is not None  # rank 0 of a command's run keeps the record
         self.clock = StepClock(self.folder if recorded else None, command or Command(), runtime.compile_seconds)
         steps, ranks = cfg.loop.profile_steps, cfg.loop.profile_ranks
@@ -203,11 +204,13 @@ class Trainer:
 
     def _open_trackers(self) -> Trackers | None:
         """Rank 0's trackers of ``logging.report_to`` (MLflow, W&B), continuing their runs when this
-        run resumed from a checkpoint."""
+        run resumed from a checkpoint or an earlier attempt of its command made them; each opens on
+        a thread of its own, so a tracker that does not answer costs a warning, not the attempt."""
         if not self.runtime.is_main or not set(self.cfg.logging.report_to) - {"tensorboard"}:
             return None
         resumed = self.progress.step > 0
-        return open_trackers(self.cfg.logging, self.folder, self.cfg.run.name, resumed, self._message)
+        log = self.cfg.logging
+        return open_trackers(log, self.folder, self.cfg.run.name, resumed, self._message, self.command_id)
 
     def _train(self) -> dict[str, float]:
         p = self.progress
