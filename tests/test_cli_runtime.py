@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from raytpu import cli
+from raytpu.config import ConfigError
 from raytpu.runtime import pick_runtime, resolve_precision
 from tests.conftest import ROOT
 
@@ -83,20 +84,29 @@ def test_relative_weights_path_reaches_workers_absolute(tmp_path, monkeypatch):
     assert anchored_cfg.run.storage_path == str(tmp_path / "results")
 
 
-def test_a_missing_data_path_is_made_there_or_falls_back_to_data_job(tmp_path, monkeypatch):
+def test_a_missing_data_path_is_made_there_refused_when_typed_or_falls_back(tmp_path, monkeypatch, capsys):
     """data.path missing: with synthesize_if_missing the set is made at that path (for this run's
-    seed), even when ./data/<job> holds another set; without it ./data/<job> is used, with a warning."""
-    from raytpu.config import load_config
+    seed), even when ./data/<job> holds another set; a path typed on the command line is one error
+    (never another folder); the config's own path falls back to ./data/<job>, said in a note."""
+    from raytpu.config.loading import read_config
     from raytpu.driver.preflight import resolve_data_root
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data" / "tests.toy_job").mkdir(parents=True)
-    base = ["job.name=tests.toy_job", f"data.path={tmp_path / 'mine'}"]
-    cfg, job = load_config(None, [*base, "data.synthesize_if_missing=true"])
-    assert resolve_data_root(cfg, job) == tmp_path / "mine" and (tmp_path / "mine" / "READY").is_file()
-    cfg, job = load_config(None, [*base[:1], f"data.path={tmp_path / 'other'}"])
-    with pytest.warns(UserWarning, match="does not exist; using 'data/tests.toy_job'"):
+    config = tmp_path / "toy.yaml"
+    config.write_text(f"job: {{name: tests.toy_job}}\ndata: {{path: {tmp_path / 'configured'}}}\n")
+    cfg, job, origins = read_config(config, [f"data.path={tmp_path / 'mine'}", "data.synthesize_if_missing=true"])
+    with origins.naming_sources():
+        assert resolve_data_root(cfg, job) == tmp_path / "mine" and (tmp_path / "mine" / "READY").is_file()
+    for typed in ([f"data.path={tmp_path / 'absent'}"], ["--data-path", str(tmp_path / "absent")]):
+        cfg, job, origins = read_config(config, [*typed, "data.synthesize_if_missing=false"])
+        missing = f"data.path '{tmp_path / 'absent'}' does not exist"
+        with pytest.raises(ConfigError, match=missing), origins.naming_sources():
+            resolve_data_root(cfg, job)
+    cfg, job, origins = read_config(config)
+    with origins.naming_sources():
         assert resolve_data_root(cfg, job) == tmp_path / "data" / "tests.toy_job"
+    assert "raytpu: note: data.path" in capsys.readouterr().out
 
 
 OWN_JOB = """

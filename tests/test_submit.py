@@ -144,8 +144,9 @@ def test_a_job_finds_its_config_and_data_on_the_cluster_or_is_not_submitted(tmp_
     assert ship("jobs/mshnet/small.yaml", "data.path=/mnt/data", "run.storage_path=/mnt/runs").notes == ()
     assert ship("jobs/mshnet/small.yaml", "data.path=s3://b/d", "run.storage_path=s3://b/r").notes == ()
     for only_here in ("data/irstd", "scratch/set"):  # excluded by raytpu, by the project's .gitignore
-        with pytest.raises(SubmitError, match=f"data.path '{only_here}' is on this machine only.*raytpu data prepare"):
-            ship("jobs/mshnet/small.yaml", f"data.path={only_here}", "data.synthesize_if_missing=false")
+        for synthesize in ("false", "true"):  # the user's data is never replaced by a synthetic set there
+            with pytest.raises(SubmitError, match=f"data.path '{only_here}' is on this machine only.*data prepare"):
+                ship("jobs/mshnet/small.yaml", f"data.path={only_here}", f"data.synthesize_if_missing={synthesize}")
     with pytest.raises(SubmitError, match="data.path 'nowhere' exists neither here nor"):
         ship("jobs/mshnet/small.yaml", "data.path=nowhere", "data.synthesize_if_missing=false")
     outside = tmp_path / "elsewhere.yaml"

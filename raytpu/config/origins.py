@@ -9,6 +9,7 @@ a message. A dotted override needs nothing more: the user typed the key the mess
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,13 +54,33 @@ class Origins:
                 return under[-1]
         return None
 
+    def typed(self, key: str) -> bool:
+        """Whether ``key``'s value was typed on the command line (a dotted override or a flag), not
+        read from the config file or left at its default."""
+        origin = self.by_key.get(key)
+        return origin is not None and (origin == "" or origin.startswith("--"))
+
     @contextlib.contextmanager
     def naming_sources(self) -> Iterator[None]:
-        """Errors about the config raised inside the block name the file line or flag behind them."""
+        """Errors about the config raised inside the block name the file line or flag behind them,
+        and the checks inside it can ask which values were typed (:func:`typed_on_command_line`)."""
+        token = ACTIVE.set(self)
         try:
             yield
         except (ConfigError, ValueError) as exc:
             raise self.explain(exc) from exc
+        finally:
+            ACTIVE.reset(token)
+
+
+#: the origins of the config the running command read (set by :meth:`Origins.naming_sources`)
+ACTIVE: contextvars.ContextVar[Origins | None] = contextvars.ContextVar("raytpu_origins", default=None)
+
+
+def typed_on_command_line(key: str) -> bool:
+    """Whether the running command's user typed ``key``'s value (False outside a command)."""
+    origins = ACTIVE.get()
+    return origins is not None and origins.typed(key)
 
 
 def yaml_lines(path: Path, text: str) -> dict[str, str]:

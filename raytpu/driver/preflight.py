@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pyarrow.fs as pafs
 
 from raytpu.cluster.connect import check_reachable, one_line
 from raytpu.config import Config, ConfigError, with_values
+from raytpu.config.origins import typed_on_command_line
 from raytpu.config.plan import Plan, tracking
 from raytpu.errors import RunFailed
 from raytpu.job import Job, Synthesizes
@@ -252,9 +252,11 @@ def check_sharded_workers(cfg: Config, runtime: str, accelerators: dict[str, flo
 
 # ------------------------------------------------------------------ data
 def resolve_data_root(cfg: Config, job: Job, synthesize: bool | None = None) -> Path:
-    """``data.path`` if it exists, else ``./data/<job>`` (with a warning), else synthesize it when
-    ``synthesize`` (None: when ``data.synthesize_if_missing``), else one error naming both.
-    data.loader=ray: the prepared tables' folder (never synthesized)."""
+    """``data.path`` if it exists; else synthesized there when ``synthesize`` (None: when
+    ``data.synthesize_if_missing``); a path typed on the command line that does not exist is one
+    error (never another folder); a config's own path falls back to ``./data/<job>`` (said in one
+    note), else one error naming both. data.loader=ray: the prepared tables' folder (never
+    synthesized)."""
     if cfg.data.loader == "ray":
         from raytpu.storage.tables import open_prepared
 
@@ -268,9 +270,17 @@ def resolve_data_root(cfg: Config, job: Job, synthesize: bool | None = None) -> 
     make = allowed and isinstance(job, Synthesizes)
     if make and given is not None:  # the set asked for, made with this run's seed: not another one
         return synthesize_data(cfg, job, given)
+    if given is not None and typed_on_command_line("data.path"):
+        synthetic = ", or make a synthetic set there with data.synthesize_if_missing=true"
+        hint = synthetic if isinstance(job, Synthesizes) else ""
+        raise ConfigError(f"data.path {str(given)!r} does not exist: give the data set's folder{hint}")
     if fallback.exists() and given != fallback:
         if given is not None:
-            warnings.warn(f"data.path {str(given)!r} does not exist; using {str(fallback)!r}", stacklevel=2)
+            print(
+                f"raytpu: note: data.path {str(given)!r} (the config's) does not exist here; using {str(fallback)!r}, "
+                f"the {job.name} job's usual folder (give --data-path to choose)",
+                flush=True,
+            )
         return fallback.resolve()
     if make:
         return synthesize_data(cfg, job, fallback)

@@ -167,12 +167,15 @@ def data_notes(cfg: Config, project: Path) -> list[str]:
     if not data or _is_absolute(data):
         return []
     here = project / data
-    if here.exists() and uploaded(here, project):
+    holds_data = here.is_file() or (here.is_dir() and any(here.iterdir()))
+    if holds_data and uploaded(here, project):
         return [f"data.path {data!r} travels with the job (Ray uploads at most 500 MiB: a larger set goes in a bucket)"]
-    if cfg.data.synthesize_if_missing:
-        where = "is not uploaded" if here.exists() else "does not exist here"
-        return [f"data.path {data!r} {where}: the job synthesizes a small set there (data.synthesize_if_missing)"]
-    if here.exists():
+    if cfg.data.synthesize_if_missing and not holds_data:  # made on the cluster only where no data is
+        return [
+            f"data.path {data!r} holds no data here: the job synthesizes a small set there on the cluster "
+            "(data.synthesize_if_missing)"
+        ]
+    if holds_data:  # the user's data: never replaced by a synthetic set on the cluster
         raise SubmitError(
             f"data.path {data!r} is on this machine only (raytpu submit does not upload data/, results/ nor what "
             f".gitignore leaves out): put it in a bucket (`raytpu data prepare {cfg.job.name} --src {data} --out "

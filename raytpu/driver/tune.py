@@ -26,8 +26,9 @@ from ray.tune import Callback
 
 from raytpu.cluster.capacity import read_offer
 from raytpu.cluster.connect import joined_here, one_line, ray_for_this_command
-from raytpu.config import Config, ConfigError, TuneSettings, dump_yaml, load_config, with_values
+from raytpu.config import Config, ConfigError, TuneSettings, dump_yaml, with_values
 from raytpu.config.args import extract
+from raytpu.config.loading import read_config
 from raytpu.config.plan import Plan, storage_of
 from raytpu.driver.ray_trainer import ray_storage, wait_for_workers, worker_bundles
 from raytpu.driver.search import Search, parse_search, searches_of
@@ -477,8 +478,8 @@ def split_flags(overrides: list[str]) -> tuple[list[str], list[str], str | None]
 
 def main(config_path: str, overrides: list[str]) -> int:
     rest, tuned, address = split_flags(overrides)
-    cfg, job = load_config(config_path, rest + tuned)
-    with ray_for_this_command():
+    cfg, job, origins = read_config(config_path, rest + tuned)
+    with ray_for_this_command(), origins.naming_sources():
         summary = sweep(cfg, job, address)
     return 0 if summary.get("best_config") else 1
 
