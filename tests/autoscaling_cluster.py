@@ -23,7 +23,9 @@ Scenarios (each prints one JSON line of what it saw, for the test to check):
   node of this machine has, a path on the nodes.)
 * ``gpu``: the head and the GPU node type alone. ``auto`` picking cuda and the autoscaler starting
   the GPU node (whose worker then finds no real GPU: the choice, the request and the launch are
-  what is checked, not CUDA), the node released; then a request that gives up after its limit.
+  what is checked, not CUDA), the node released; then a request that gives up after its limit,
+  ``scaling.runtime=xla`` on a cluster that can start no TPU, and ``raytpu doctor`` given the
+  dashboard's address (the node types read on the head by a Ray job).
 """
 
 from __future__ import annotations
@@ -256,6 +258,8 @@ def gpu_scenario(out: Path) -> dict[str, Any]:
     report["types_launched"] = sorted(watch.seen)
     report["released_after_s"] = watch.wait_until_gone("gpu_t4", timeout=120)
     report["gives_up"] = raytpu([*train, "scaling.node_start_timeout_s=0.5"], head.env)
+    report["xla_without_tpu"] = raytpu([*train, "scaling.runtime=xla"], head.env, timeout=120)
+    report["doctor"] = raytpu(["doctor", "--json", "--timeout", "120", "--address", head.dashboard], head.env)
     watch.stop()
     return report
 

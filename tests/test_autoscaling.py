@@ -110,3 +110,11 @@ def test_auto_picks_cuda_from_a_gpu_node_type_and_a_wait_gives_up_after_its_limi
     assert gives_up["code"] == 1 and gives_up["seconds"] < 30
     assert "waiting for the autoscaler to start nodes for 1 cuda worker(s) (1 CPU, 1 GPU each;" in line
     assert "raise scaling.node_start_timeout_s" in line
+
+    refused = report["xla_without_tpu"]  # the user asked for a TPU: never XLA on the CPU of a cluster
+    assert refused["code"] == 2 and refused["seconds"] < 60
+    assert "scaling.runtime=xla but the cluster has no TPU and its autoscaler can start none" in error_line(refused)
+
+    doctor = json.loads(report["doctor"]["out"])  # the dashboard's address, as the walk-through gives it
+    assert doctor["cluster"]["reachable"] and doctor["cluster"]["auto_runtime"] == "cuda", doctor["cluster"]
+    assert [node_type["name"] for node_type in doctor["cluster"]["node_types"]] == ["gpu_t4"]

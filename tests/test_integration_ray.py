@@ -117,3 +117,25 @@ def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(r
     cfg = with_values(cfg, {**torch_path, "checkpoint.weights": summary.best_checkpoint})
     metrics = commands.test(cfg, job)
     assert metrics["test/images"] == 8 and metrics["test/rmse"] > 0 and metrics["test/psnr"] > 0
+
+
+def test_a_wait_for_resources_other_work_holds_gives_up_after_its_limit(ray_session):
+    """Every CPU of the session's Ray held by another placement group: the run's wait for its
+    workers ends after ``scaling.node_start_timeout_s`` in one line, instead of Ray Train's wait,
+    which has no end."""
+    import time
+
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from raytpu.cluster.capacity import NodesNotStarted, read_offer, wait_for_nodes
+
+    cpus = ray_session.cluster_resources()["CPU"]
+    other = placement_group([{"CPU": cpus}])
+    ray_session.get(other.ready(), timeout=60)
+    try:
+        started = time.monotonic()
+        with pytest.raises(NodesNotStarted, match="other work on the cluster holds what they need"):
+            wait_for_nodes([{"CPU": 1.0}], "1 cpu worker(s)", 1.5, read_offer(this_machine=True), held_by_others=True)
+        assert time.monotonic() - started < 10
+    finally:
+        remove_placement_group(other)

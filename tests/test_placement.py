@@ -96,10 +96,16 @@ def test_an_xla_worker_asks_for_a_tpu_host_or_chip_so_the_autoscaler_starts_one(
     slice_keys = ["runtime=xla", "scaling.tpu.accelerator_type=TPU-V5LITEPOD", "scaling.tpu.topology=4x4"]
     bundles, _ = placed_bundles([*slice_keys, "scaling.num_workers=4"], offer)
     assert bundles == [{"CPU": 1.0, "TPU": 4.0}] * 4
-    # no TPU anywhere: XLA on the CPU PJRT device, as the tests run it
-    cpu_only = ClusterOffer(nodes=({"CPU": 2.0},), available={"CPU": 2.0})
-    bundles, _ = placed_bundles(["runtime=xla"], cpu_only)
-    assert bundles == [{"CPU": 1.0}] and judge_fit(bundles, cpu_only, "x").verdict == "now"
+    # no TPU anywhere: on this machine, XLA on the CPU PJRT device, as the tests run it; on a
+    # cluster the user asked for a TPU: one line, unless PJRT_DEVICE=CPU on the driver asks for the CPU
+    here = ClusterOffer(nodes=({"CPU": 2.0},), available={"CPU": 2.0}, this_machine=True)
+    bundles, _ = placed_bundles(["runtime=xla"], here)
+    assert bundles == [{"CPU": 1.0}] and judge_fit(bundles, here, "x").verdict == "now"
+    cluster = ClusterOffer(nodes=({"CPU": 2.0},), available={"CPU": 2.0}, node_types=cluster_yaml_types("gpu_t4"))
+    with pytest.raises(ValueError, match="scaling.runtime=xla but the cluster has no TPU and its autoscaler can "
+                                         "start none .*gpu_t4.*export PJRT_DEVICE=CPU"):  # fmt: skip
+        place("xla", 1, "spmd", False, cluster)
+    assert "CPU PJRT device" in place("xla", 1, "spmd", False, cluster, xla_on_cpu=True).note
 
 
 def test_a_cuda_worker_asks_for_its_gpu_and_the_head_runs_none() -> None:

@@ -88,6 +88,21 @@ def test_dashboard_url() -> None:
         dashboard_url("ray://h:10001", {})
 
 
+def test_a_join_that_fails_without_a_token_says_where_the_token_goes(tmp_path: Path, monkeypatch) -> None:
+    """Every form of address (``ray://``, ``auto``, ``HOST:PORT``) gets the token hint when this
+    client would send no token, and none when it would."""
+    from raytpu.cluster.connect import token_hint
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    assert "export RAY_AUTH_MODE=token" in token_hint()
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert "RAY_AUTH_TOKEN" in token_hint()  # token mode, but no token anywhere
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
+    assert token_hint() == ""
+
+
 def test_auth_headers_sources_in_order(tmp_path: Path) -> None:
     home = tmp_path / "home"
     (home / ".ray").mkdir(parents=True)

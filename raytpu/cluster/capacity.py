@@ -152,19 +152,26 @@ def autoscaling_config_here(gcs_address: str) -> tuple[str, dict[str, Any]] | No
 
 
 # ------------------------------------------------------------------ waiting
-def wait_for_nodes(bundles: Sequence[Bundle], what: str, timeout_s: float, offer: ClusterOffer) -> None:
-    """Hold the workers' bundles as a placement group until the autoscaler has started nodes for
-    them (then release it: the run's own placement group fits at once), printing what it waits for
-    every :data:`SAY_EVERY_S` seconds; :class:`NodesNotStarted` after ``timeout_s``."""
+def wait_for_nodes(
+    bundles: Sequence[Bundle], what: str, timeout_s: float, offer: ClusterOffer, held_by_others: bool = False
+) -> None:
+    """Hold the workers' bundles as a placement group until they fit (the autoscaler has started
+    nodes for them, or, ``held_by_others``, other work has freed what it holds), then release it
+    (the run's own placement group fits at once), printing what it waits for every
+    :data:`SAY_EVERY_S` seconds; :class:`NodesNotStarted` after ``timeout_s``."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    types = ", ".join(t.name for t in offer.node_types)
-    print(
-        f"raytpu: {what} ({describe(bundles[0])} each) wait for the autoscaler to start nodes "
-        f"(node types: {types}); giving up after {timeout_s:g} s (scaling.node_start_timeout_s)",
-        flush=True,
-    )
+    limit = f"giving up after {timeout_s:g} s (scaling.node_start_timeout_s)"
+    if held_by_others:
+        print(f"raytpu: {what} ({describe(bundles[0])} each) wait for resources other work holds; {limit}", flush=True)
+    else:
+        types = ", ".join(t.name for t in offer.node_types)
+        print(
+            f"raytpu: {what} ({describe(bundles[0])} each) wait for the autoscaler to start nodes "
+            f"(node types: {types}); {limit}",
+            flush=True,
+        )
     group = placement_group(list(bundles), strategy="PACK")
     ready = group.ready()
     start = time.monotonic()
@@ -173,17 +180,31 @@ def wait_for_nodes(bundles: Sequence[Bundle], what: str, timeout_s: float, offer
         while not ray.wait([ready], timeout=1.0)[0]:
             waited = time.monotonic() - start
             if waited >= timeout_s:
-                raise NodesNotStarted(
-                    f"gave up after {waited:.3g} s waiting for the autoscaler to start nodes for {what} "
-                    f"({describe(bundles[0])} each; {pending_launches() or 'nothing launching'}): raise "
-                    "scaling.node_start_timeout_s, or see why with `ray status` and the autoscaler's log"
-                )
+                raise NodesNotStarted(gave_up(waited, what, bundles[0], held_by_others))
             if time.monotonic() - said >= SAY_EVERY_S:
                 said = time.monotonic()
-                print(f"raytpu: waiting {waited:.0f} s: {pending_launches() or 'no launch yet'}", flush=True)
+                doing = "other work still holds them" if held_by_others else pending_launches() or "no launch yet"
+                print(f"raytpu: waiting {waited:.0f} s: {doing}", flush=True)
     finally:
         remove_placement_group(group)
-    print(f"raytpu: nodes up after {time.monotonic() - start:.0f} s", flush=True)
+    print(
+        f"raytpu: {'resources free' if held_by_others else 'nodes up'} after {time.monotonic() - start:.0f} s",
+        flush=True,
+    )
+
+
+def gave_up(waited: float, what: str, bundle: Bundle, held_by_others: bool) -> str:
+    if held_by_others:
+        return (
+            f"gave up after {waited:.3g} s waiting for {what} ({describe(bundle)} each): other work on the cluster "
+            "holds what they need (see `ray status`); stop it, raise scaling.node_start_timeout_s, or ask for fewer "
+            "workers (scaling.num_workers)"
+        )
+    return (
+        f"gave up after {waited:.3g} s waiting for the autoscaler to start nodes for {what} "
+        f"({describe(bundle)} each; {pending_launches() or 'nothing launching'}): raise "
+        "scaling.node_start_timeout_s, or see why with `ray status` and the autoscaler's log"
+    )
 
 
 def pending_launches() -> str:

@@ -13,10 +13,11 @@ import json
 import logging
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -75,18 +76,11 @@ def node_summary(node_id: str, ip: str, alive: bool, resources: dict, labels: di
     return {"node_id": node_id[:12], "ip": ip, "alive": alive, "resources": wanted, "tpu_labels": tpu_labels}
 
 
-def list_cluster_nodes(address: str) -> dict[str, Any]:
+def list_cluster_nodes(address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
     """Nodes of the cluster at ``address``, and the node types its autoscaler may start (runs in the
     probe subprocess: it connects as a Ray driver)."""
     if address.startswith(("http://", "https://")):
-        from ray.util.state import list_nodes
-
-        states = list_nodes(address=address, detail=True, raise_on_missing_output=False)
-        nodes = [
-            node_summary(n.node_id, n.node_ip, n.state == "ALIVE", n.resources_total or {}, n.labels or {})
-            for n in states
-        ]
-        return {"nodes": nodes, "node_types": [], "node_types_from": ""}
+        return probe_through_dashboard(address, timeout_s)
     import ray
 
     from raytpu.cluster.capacity import cluster_node_types
@@ -103,10 +97,41 @@ def list_cluster_nodes(address: str) -> dict[str, Any]:
         ray.shutdown()
 
 
-def cluster_probe_main(address: str) -> int:
+def probe_through_dashboard(address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """What :func:`list_cluster_nodes` finds, for a cluster known by its dashboard's address (the
+    form ``raytpu submit`` and the cluster walk-through use): the probe runs on the head as a short
+    Ray job, where the autoscaler's node types are read; a head that cannot run it (raytpu not
+    installed there) gives the live nodes alone, through the dashboard's state API."""
+    import time
+
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(address, headers=auth_headers())
+    code = "import sys; from raytpu.cluster.connect import cluster_probe_main; sys.exit(cluster_probe_main('auto'))"
+    job = client.submit_job(entrypoint=f"python -c {shlex.quote(code)}", metadata={"raytpu": "doctor"})
+    deadline = time.monotonic() + timeout_s
+    while client.get_job_status(job) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+        if time.monotonic() > deadline:
+            client.stop_job(job)
+            break
+        time.sleep(0.5)
+    for line in client.get_job_logs(job).splitlines():
+        if line.startswith(PROBE_MARK):
+            return json.loads(line[len(PROBE_MARK) :])
+    from ray.util.state import list_nodes
+
+    states = list_nodes(address=address, detail=True, raise_on_missing_output=False)
+    nodes = [
+        node_summary(n.node_id, n.node_ip, n.state == "ALIVE", n.resources_total or {}, n.labels or {})
+        for n in states
+    ]
+    return {"nodes": nodes, "node_types": [], "node_types_from": ""}
+
+
+def cluster_probe_main(address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """Entry point of the cluster probe subprocess: one marked JSON line on stdout."""
     try:
-        print(PROBE_MARK + json.dumps(list_cluster_nodes(address)), flush=True)
+        print(PROBE_MARK + json.dumps(list_cluster_nodes(address, timeout_s)), flush=True)
         return 0
     except Exception as exc:
         print(PROBE_ERROR_MARK + one_line(exc), flush=True)
@@ -117,11 +142,13 @@ def run_cluster_probe(address: str, timeout: float) -> dict[str, Any]:
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     code = (
-        "import sys; from raytpu.cluster.connect import cluster_probe_main; sys.exit(cluster_probe_main(sys.argv[1]))"
+        "import sys; from raytpu.cluster.connect import cluster_probe_main; "
+        "sys.exit(cluster_probe_main(sys.argv[1], float(sys.argv[2])))"
     )
+    inner = str(max(timeout - 5.0, timeout * 0.8))  # a job on the head ends, or is stopped, before the probe is
     try:
         done = subprocess.run(
-            [sys.executable, "-c", code, address], capture_output=True, text=True, timeout=timeout, env=env
+            [sys.executable, "-c", code, address, inner], capture_output=True, text=True, timeout=timeout, env=env
         )
     except subprocess.TimeoutExpired as exc:
         raise ConnectionError(f"no answer within {timeout:g} s") from exc
@@ -220,13 +247,16 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
     elif GCS_ADDRESS.match(address):
         env["RAY_ADDRESS"] = address  # the same for a cluster joined by its GCS address
         check_token(address)
+    elif address == "auto":
+        check_token(running_cluster() or "")
     if not verbose:
         quiet_ray()
     try:
         # no address: a new local instance, never another one found on this machine (a user's `ray start`)
         ray.init(address=address or "local", **kwargs)
     except ConnectionError as exc:
-        raise ConfigError(f"cannot join a Ray cluster at {address!r}: {' '.join(str(exc).split())[:200]}") from exc
+        reason = " ".join(str(exc).split())[:200]
+        raise ConfigError(f"cannot join a Ray cluster at {address!r}: {reason}{token_hint()}") from exc
     finally:
         if local:
             os.environ.pop(GCS_PORT, None)
@@ -236,6 +266,45 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
         STARTED_HERE.append(os.environ["RAY_ADDRESS"])
 
 
+def running_cluster() -> str | None:
+    """The GCS address ``auto`` names: ``RAY_ADDRESS``, else the cluster ``ray start`` last started here."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        return canonicalize_bootstrap_address("auto")
+    except Exception:  # none running: ray.init says so
+        return None
+
+
+def has_token(environ: Mapping[str, str] = os.environ, home: Path | None = None) -> bool:
+    """Whether this client would send a token: token mode, and a token where Ray looks for one."""
+    return environ.get("RAY_AUTH_MODE", "") == "token" and bool(auth_headers(environ, home))
+
+
+def token_hint() -> str:
+    """What to check when a cluster could not be joined and this client sends no token (Ray 2.60
+    clusters use token authentication by default), for every form of address; "" when it does."""
+    if has_token():
+        return ""
+    return (
+        "; if the cluster uses token authentication (Ray's default), export RAY_AUTH_MODE=token and put the "
+        "cluster's token (the head's ~/.ray/auth_token) in RAY_AUTH_TOKEN or ~/.ray/auth_token"
+    )
+
+
+def auth_headers(environ: Mapping[str, str] = os.environ, home: Path | None = None) -> dict[str, str]:
+    """Ray's bearer-token header from ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``
+    (nothing when there is no token or ``RAY_AUTH_MODE=disabled``)."""
+    if environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        return {}
+    token = environ.get("RAY_AUTH_TOKEN", "").strip()
+    if not token:
+        path = Path(environ["RAY_AUTH_TOKEN_PATH"]) if environ.get("RAY_AUTH_TOKEN_PATH") else None
+        path = path or (home or Path.home()) / ".ray" / "auth_token"
+        token = path.read_text().strip() if path.is_file() else ""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def check_token(address: str) -> None:
     """One look at the cluster's GCS, which answers at once when this client's token is missing or
     wrong (``ray.init`` would retry for 20 s and then say only that it failed to connect): a
@@ -243,6 +312,8 @@ def check_token(address: str) -> None:
     from ray._raylet import GcsClient
     from ray.exceptions import AuthenticationError
 
+    if not address:
+        return
     try:
         GcsClient(address=address)
     except AuthenticationError:

@@ -60,6 +60,8 @@ class Facts:
     started: float = 0.0  # when that command started (seconds since the epoch)
     stop: str = ""  # where a stop request is read (``raytpu.records.stop``); "" = never
     script: ScriptPlan | None = None
+    # xla where the cluster has no TPU runs on the CPU PJRT device: asked with PJRT_DEVICE=CPU on the driver
+    xla_on_cpu: bool = field(default_factory=lambda: os.environ.get("PJRT_DEVICE", "").upper() == "CPU")
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,9 @@ def make_plan(cfg: Config, facts: Facts) -> Plan:
     """The plan of ``cfg`` (the config as the user wrote it) for the command and cluster of
     ``facts``: placement, precision, resolved config, the batch checked against the data."""
     scaling = cfg.scaling
+    slice_named = bool(scaling.tpu.accelerator_type)
     placement = place(
-        scaling.runtime, scaling.num_workers, scaling.tpu.layout, bool(scaling.tpu.accelerator_type), facts.offer
+        scaling.runtime, scaling.num_workers, scaling.tpu.layout, slice_named, facts.offer, facts.xla_on_cpu
     )
     gpu_types = facts.offer.accelerator_types("GPU")
     bf16_everywhere = not (gpu_types and gpu_types <= GPUS_WITHOUT_BF16)  # else each worker's GPU decides

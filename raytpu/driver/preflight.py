@@ -301,12 +301,11 @@ def synthesize_data(cfg: Config, job: Synthesizes, target: Path) -> Path:
 # ------------------------------------------------------------------ resources
 def check_fit(bundles: Sequence[Bundle], what: str, offer: ClusterOffer) -> Fit:
     """Refuse a demand the cluster can never meet (one line naming what it has and can start, and
-    the setting to change); say so when it has to wait for other work."""
+    the setting to change); a wait for other work's resources is bounded and said before the run
+    (``raytpu.driver.ray_trainer.wait_for_workers``)."""
     result = judge_fit(bundles, offer, what)
     if result.verdict == "never":
         raise ConfigError(result.message)
-    if result.verdict == "busy":
-        print(f"raytpu: {result.message}", flush=True)
     return result
 
 

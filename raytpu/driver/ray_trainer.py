@@ -194,9 +194,10 @@ def fit(trainer: Any) -> Any:
 
 
 def wait_for_workers(plan: Plan) -> None:
-    """When the plan's workers need nodes that the cluster's autoscaler has yet to start, wait for
-    them before the ``TorchTrainer`` starts (:func:`raytpu.cluster.capacity.wait_for_nodes`: what it
-    waits for, and a limit), instead of Ray Train's silent wait and its one-minute retries."""
+    """When the plan's workers need nodes that the cluster's autoscaler has yet to start, or
+    resources other work holds, wait for them before the ``TorchTrainer`` starts
+    (:func:`raytpu.cluster.capacity.wait_for_nodes`: what it waits for, and a limit), instead of
+    Ray Train's silent wait, which has no limit."""
     from raytpu.cluster.capacity import read_offer, wait_for_nodes
     from raytpu.cluster.connect import joined_here
     from raytpu.runtime.placement import judge_fit
@@ -205,8 +206,9 @@ def wait_for_workers(plan: Plan) -> None:
     offer = read_offer(this_machine=joined_here())
     bundles = worker_bundles(cfg)
     what = f"{cfg.scaling.num_workers} {cfg.scaling.runtime} worker(s)"
-    if judge_fit(bundles, offer, what).verdict == "later":
-        wait_for_nodes(bundles, what, cfg.scaling.node_start_timeout_s, offer)
+    verdict = judge_fit(bundles, offer, what).verdict
+    if verdict in ("later", "busy"):
+        wait_for_nodes(bundles, what, cfg.scaling.node_start_timeout_s, offer, held_by_others=verdict == "busy")
 
 
 def run_plan(plan: Plan) -> Any:

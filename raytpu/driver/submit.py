@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from raytpu.cluster.connect import auth_headers
 from raytpu.config import Config, load_config
 from raytpu.config.args import extract
 from raytpu.job import job_module
@@ -95,19 +96,6 @@ def submission_id(run_name: str, now: datetime.datetime | None = None) -> str:
     """A readable, unique job id: ``raytpu-<run name>-<UTC time>``."""
     stamp = (now or datetime.datetime.now(datetime.timezone.utc)).strftime("%Y%m%d-%H%M%S")
     return f"raytpu-{re.sub(r'[^A-Za-z0-9_-]+', '-', run_name)}-{stamp}"
-
-
-def auth_headers(environ: Mapping[str, str] = os.environ, home: Path | None = None) -> dict[str, str]:
-    """Ray's bearer-token header from ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``
-    (nothing when there is no token or ``RAY_AUTH_MODE=disabled``)."""
-    if environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
-        return {}
-    token = environ.get("RAY_AUTH_TOKEN", "").strip()
-    if not token:
-        path = Path(environ["RAY_AUTH_TOKEN_PATH"]) if environ.get("RAY_AUTH_TOKEN_PATH") else None
-        path = path or (home or Path.home()) / ".ray" / "auth_token"
-        token = path.read_text().strip() if path.is_file() else ""
-    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 @dataclass(frozen=True)

@@ -110,10 +110,14 @@ class Placement:
     note: str = ""
 
 
-def place(requested: str, num_workers: int, layout: str, slice_named: bool, offer: ClusterOffer) -> Placement:
+def place(
+    requested: str, num_workers: int, layout: str, slice_named: bool, offer: ClusterOffer, xla_on_cpu: bool = False
+) -> Placement:
     """The placement of ``num_workers`` workers of runtime ``requested`` (maybe ``auto``) on ``offer``,
     ``layout`` being ``scaling.tpu.layout`` and ``slice_named`` whether ``scaling.tpu`` names a slice
-    (which then sets each worker's TPU share itself)."""
+    (which then sets each worker's TPU share itself). xla where no TPU is up or can start runs on the
+    CPU PJRT device on this machine, or where ``xla_on_cpu`` (``PJRT_DEVICE=CPU`` on the driver)
+    asks for it; on a cluster it is otherwise a ValueError: the user asked for a TPU."""
     runtime, why = choose_runtime(requested, offer)
     workers, note = num_workers, ""
     if requested == "auto":
@@ -127,6 +131,12 @@ def place(requested: str, num_workers: int, layout: str, slice_named: bool, offe
     chips, tpu_slice = 0, ("", "")
     if runtime == "xla" and not slice_named:
         chips = tpu_chips_per_worker(layout, workers, offer)
+        if not chips and not (offer.this_machine or xla_on_cpu):
+            raise ValueError(
+                f"scaling.runtime=xla but the cluster has no TPU and its autoscaler can start none "
+                f"({offer.inventory()}): add a TPU node type (cluster.yaml), use scaling.runtime=auto, or export "
+                "PJRT_DEVICE=CPU to run XLA on the workers' CPUs"
+            )
         if not chips:
             note = "the cluster has no TPU: the xla workers run XLA on the CPU PJRT device"
         elif workers > 1 and pack([{"TPU": float(chips)}] * workers, offer.capacities()):
