@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import pickle
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.utils.data import default_collate
 
 from raytpu.config import load_config
@@ -91,6 +93,39 @@ def test_test_mode_on_simulated_set(data_root: Path, tmp_path: Path) -> None:
         "simulated_0001.png",
     ]
     assert JOB.test(model, cfg, tmp_path / "again") == first  # seeded sampler
+
+
+def test_a_sharded_model_runs_the_jobs_own_test_on_every_rank(data_root: Path, tmp_path: Path) -> None:
+    """CDEIT's test (its sampler) under FSDP2 on 2 gloo workers: every forward of a sharded model is
+    a collective, so every rank runs the test (on rank 0 alone it waited forever); rank 0's metrics
+    and files are the test's, and they equal the unsharded model's."""
+    from raytpu.records.checkpoints import save_weights
+    from tests.conftest import start_python
+    from tests.stores import free_port
+
+    cfg = config(f"data.path={data_root}", "job.test_images=2")
+    torch.manual_seed(0)
+    save_weights(tmp_path / "model.safetensors", JOB.build_model(cfg).state_dict())
+    words = [*TINY, "job.test_images=2", "--fsdp", "full_shard", f"checkpoint.weights={tmp_path / 'model.safetensors'}"]
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    args = ["-m", "tests.sharded_test_worker", str(tmp_path / "run"), str(data_root), *words]
+    ranks = [start_python(args, {**env, "RANK": str(rank)}) for rank in range(2)]
+    try:
+        outputs = [rank.communicate(timeout=300) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
+    sharded = json.loads(outputs[0][0].strip().splitlines()[-1])
+    model = JOB.build_model(cfg)
+    model.load_state_dict(load_file(tmp_path / "model.safetensors"))
+    whole = JOB.test(model, cfg, tmp_path / "whole")
+    assert sharded["test/images"] == whole["images"] == 3
+    assert sharded["test/rmse"] == pytest.approx(whole["rmse"], rel=1e-4)
+    assert sorted(p.name for p in (tmp_path / "run" / "test_simulated").glob("*.png")) == [
+        "simulated_0000.png",
+        "simulated_0001.png",
+    ]
 
 
 @pytest.mark.skipif(not (REAL / "uef2017").is_dir(), reason="shared UEF2017 measurements not present")

@@ -459,13 +459,27 @@ class Trainer:
         self.model = rt.prepare_model(model, sync_batchnorm=cfg.loop.sync_batchnorm)
         self.ema = None
         if isinstance(self.job, CustomTest):
-            if not rt.is_main:
-                return {}
-            custom = self.job.test(rt.unwrap(self.model), cfg, self.folder.local(), self.data_root)
-            self.folder.sync()  # what the test wrote (sample images): into the bucket when the run is there
-            return {f"test/{k}": float(v) for k, v in custom.items()}
+            return self._custom_test()
         self.data = make_worker_data(cfg, self.job, rt, self.data_root, self.datasets, mode="test")
         return self.evaluate("test")
+
+    def _custom_test(self) -> dict[str, float]:
+        """The job's own test (CDEIT's sampler) on rank 0, whose metrics and files are the test's;
+        a sharded model's every forward is a collective, so there every rank runs it, the others
+        into a folder they then remove."""
+        rt = self.runtime
+        if not (rt.is_main or rt.sharded):
+            return {}
+        out = self.folder.local() if rt.is_main else Path(tempfile.mkdtemp(prefix="raytpu-test-"))
+        try:
+            custom = self.job.test(rt.unwrap(self.model), self.cfg, out, self.data_root)
+        finally:
+            if not rt.is_main:
+                shutil.rmtree(out, ignore_errors=True)
+        if not rt.is_main:
+            return {}
+        self.folder.sync()  # what the test wrote (sample images): into the bucket when the run is there
+        return {f"test/{k}": float(v) for k, v in custom.items()}
 
     def _message(self, text: str) -> None:
         if self.runtime.is_main:
