@@ -204,9 +204,12 @@ class CountsTokens(Protocol):
 class EstimatesActivations(Protocol):
     """Bytes of activations one device keeps for the backward of a step of ``batch`` samples, its
     values ``value_bytes`` wide (2 in bf16, 4 in fp32); ``checkpointed``: each unit keeps only its
-    input, and one unit's activations exist at a time in the backward (``raytpu.config.memory``)."""
+    input, and one unit's activations exist at a time in the backward; ``compiled``: the model runs
+    through ``torch.compile``, which keeps fewer (``raytpu.config.memory``)."""
 
-    def activation_bytes(self, cfg: Config, batch: int, value_bytes: int, checkpointed: bool) -> float: ...
+    def activation_bytes(
+        self, cfg: Config, batch: int, value_bytes: int, checkpointed: bool, compiled: bool = False
+    ) -> float: ...
 
 
 @runtime_checkable

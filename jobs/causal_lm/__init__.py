@@ -142,6 +142,13 @@ def config_overrides(value: Any) -> list[tuple[str, Any]]:
     return pairs
 
 
+#: bytes an eager decoder layer saves for its backward per token, per hidden and per intermediate
+#: unit, by the compute dtype's width: fp32 keeps 9 hidden-wide and 4 intermediate-wide values; bf16
+#: keeps 8 and 4 in bf16 beside the norms' fp32 upcasts (measured on the CPU with autograd's
+#: saved-tensor hooks, Llama shapes: tests/test_causal_lm.py checks it)
+EAGER_LAYER_BYTES = {4: (36, 16), 2: (40, 10)}
+
+
 def context_length(config: Any) -> int | None:
     """The longest sequence the architecture's positions allow (None: no limit declared)."""
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
@@ -213,20 +220,31 @@ class CausalLMJob(Job):
     def tokens_per_sample(self, cfg: Config) -> int | None:
         return cfg.job.seq_len
 
-    def activation_bytes(self, cfg: Config, batch: int, value_bytes: int, checkpointed: bool) -> float:
-        """A decoder layer keeps, per token, 8 hidden-wide values (the two norms' inputs and
-        outputs, q, k and v at most, the attention output), 4 intermediate-wide ones (gate, up,
-        their activation and product) and the norms' fp32 upcasts (4 hidden-wide fp32 values); the
-        head keeps the logits, their fp32 upcast for the loss and its gradient. Checkpointed, a
-        layer keeps its input, and one layer's activations are recomputed at a time."""
+    def activation_bytes(
+        self, cfg: Config, batch: int, value_bytes: int, checkpointed: bool, compiled: bool = False
+    ) -> float:
+        """What a step holds for its backward at its peak, the backward's start: every decoder
+        layer's saved values, the loss's fp32 log-probabilities and, beside them, their gradient in
+        fp32 and in the compute dtype. Per token and layer, eager: the bytes per hidden and per
+        intermediate unit autograd saves (:data:`EAGER_LAYER_BYTES`, measured on the CPU with its
+        saved-tensor hooks: ``tests/test_causal_lm.py``); compiled, torch.compile's partitioner
+        recomputes the pointwise ops (the norms' fp32 upcasts, the activation): the residual stream
+        at both norms, q, k and v (k and v of the key-value heads), the attention output, gate, up
+        and their product, each in the compute dtype. Checkpointed, a layer keeps its input, and
+        one layer's activations are recomputed at a time."""
         config = architecture(cfg.job)
-        hidden, inner = config.hidden_size, config.intermediate_size
+        hidden, inner, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
         tokens = batch * cfg.job.seq_len
-        per_layer = tokens * (value_bytes * (8 * hidden + 4 * inner) + 4 * 4 * hidden)
-        layers = config.num_hidden_layers
+        if compiled:
+            heads = config.num_attention_heads
+            kv_share = getattr(config, "num_key_value_heads", heads) / heads
+            per_layer = tokens * value_bytes * ((4 + 2 * kv_share) * hidden + 3 * inner)
+        else:
+            per_hidden, per_inner = EAGER_LAYER_BYTES[value_bytes]
+            per_layer = tokens * (per_hidden * hidden + per_inner * inner)
         kept = tokens * value_bytes * hidden * layers + per_layer if checkpointed else per_layer * layers
         vocabulary = cfg.job.vocab_size if not cfg.job.model_name_or_path else config.vocab_size
-        return float(kept + tokens * vocabulary * (value_bytes + 4 + 4))
+        return float(kept + tokens * vocabulary * (4 + 4 + value_bytes))
 
     def synthesize(self, out: Path, vocab_size: int = 4096, corpus_dir: str = "", tokenizer: str = "") -> None:
         """``raytpu data synth causal_lm --out DIR [--vocab-size N] [--corpus-dir DIR] [--tokenizer DIR]``."""

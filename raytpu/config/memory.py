@@ -34,6 +34,7 @@ from raytpu.config.loading import with_values
 from raytpu.config.schema import Config
 from raytpu.errors import ConfigError
 from raytpu.job import EstimatesActivations, Job
+from raytpu.runtime.base import compiles
 from raytpu.runtime.fsdp import units_of, wrapping_units
 
 GB = 1e9
@@ -187,7 +188,8 @@ def estimate_run(cfg: Config, job: Job, precision: str | None = None) -> MemoryE
     activations = None
     if isinstance(job, EstimatesActivations):
         batch = BatchPlan.of(cfg).per_worker
-        activations = job.activation_bytes(cfg, batch, value_bytes, checkpointed(cfg))
+        compiled = compiles(cfg.scaling.runtime, cfg.loop.compile)
+        activations = job.activation_bytes(cfg, batch, value_bytes, checkpointed(cfg), compiled=compiled)
     workers = cfg.scaling.num_workers
     return estimate(ModelSize.of(model, units), precision, cfg.optim.name, workers, sharded, activations)
 
@@ -224,9 +226,14 @@ def check_memory(cfg: Config, job: Job, gpu_kinds: frozenset[str]) -> list[str]:
     if found.total > USABLE * memory * GB:
         share = (found.activations or 0.0) / found.total
         sharded = cfg.sharding.strategy != "none"
+        if not cfg.scaling.check_memory:
+            return [
+                f"warning: memory: {line}, more than {USABLE:.0%} of {memory:g} GB; starting it anyway "
+                "(scaling.check_memory=false)"
+            ]
         raise ConfigError(
             f"this run needs {line}, more than {USABLE:.0%} of the {memory:g} GB of {what}: "
-            f"{advice(sharded, checkpointed(cfg), share)}"
+            f"{advice(sharded, checkpointed(cfg), share)}; or, to start it anyway, scaling.check_memory=false"
         )
     return [f"memory: {line} of {memory:g} GB"]
 

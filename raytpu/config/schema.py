@@ -34,6 +34,7 @@ class ScalingSettings:
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     tf32: bool = True  # cuda: TF32 tensor cores for the matmuls and convolutions left in fp32
     device_memory_gb: float = 0.0  # each device's memory for the estimate (0: the device's own, or its kind's)
+    check_memory: bool = True  # refuse a run estimated above 90% of each device's memory (false: start it anyway)
     cpus_per_worker: float = 1.0
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     tpu: TPUSettings = field(default_factory=TPUSettings)

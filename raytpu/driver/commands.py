@@ -157,9 +157,8 @@ def plan_run(
 def say(plan: Plan, more: list[str] | tuple[str, ...] = ()) -> None:
     """The plan's notes and ``more`` (the memory estimate), then its one line: where, what, how the
     batch splits."""
-    print_notes(plan)
-    for note in more:
-        print(f"raytpu: {note}", flush=True)
+    for note in [*plan.notes, *more]:
+        print(f"raytpu: {note}", file=sys.stderr if note.startswith("warning:") else sys.stdout, flush=True)
     print(where_it_runs(plan), flush=True)
 
 

@@ -4,7 +4,9 @@ Each unit (``sharding.layers``, by default the decoder layers a Transformers mod
 ``_no_split_modules``) is sharded on its own, then the root, as torchtitan and Accelerate's
 ``fsdp_version: 2`` do: a unit's weights are gathered for its forward and backward and freed
 after, so a worker holds one unit whole at a time and its own shard of everything else
-(parameters, gradients, optimizer state). Parameter names stay the plain model's: FSDP2 swaps
+(parameters, gradients, optimizer state). The model is placed on the device unit by unit, each
+sharded before the next moves, so that no worker ever holds the whole fp32 model there (as
+torchtitan's meta-device initialisation avoids it). Parameter names stay the plain model's: FSDP2 swaps
 parameters for DTensors in place, and activation checkpointing (non-reentrant, inside each unit's
 gather) and regional compilation work in place too.
 
@@ -56,9 +58,7 @@ class FSDPRuntime(DDPRuntime):
     ) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        model = model.to(self.device)
         mesh = self._mesh()
-        self._same_start(model)
         units = units_of(model, wrapping_units(model, self.layers))
         if self.activation_checkpointing:
             if not units:
@@ -69,8 +69,14 @@ class FSDPRuntime(DDPRuntime):
             self.compiled = "regional"
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         options = {"mesh": mesh, "mp_policy": policy} if self.precision == "bf16" else {"mesh": mesh}
-        for unit in units:
+        for unit in units:  # one unit whole on the device at a time, never the whole model
+            unit.to(self.device)
+            self._same_start([*unit.parameters(), *unit.buffers()])
             fully_shard(unit, **options)
+        model.to(self.device)  # what no unit holds: the sharded units' DTensors stay as they are
+        self._same_start(
+            [tensor for tensor in [*model.parameters(), *model.buffers()] if not isinstance(tensor, DTensor)]
+        )
         fully_shard(model, **options)
         self.units = len(units)
         if self.compile_mode and not self.compiled:
@@ -89,11 +95,12 @@ class FSDPRuntime(DDPRuntime):
         return init_device_mesh(self.device.type, (self.world_size,))
 
     @torch.no_grad()
-    def _same_start(self, model: nn.Module) -> None:
-        """Rank 0's initial weights and buffers on every rank, as DDP gives them: each rank seeds its
-        own random streams, and each keeps its own slice of what it holds when the model is sharded."""
+    def _same_start(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0's initial weights and buffers (``tensors``, on the device) on every rank, as DDP gives
+        them: each rank seeds its own random streams, and each keeps its own slice of what it holds
+        once the module is sharded."""
         if self.world_size > 1:
-            for tensor in [*model.parameters(), *model.buffers()]:
+            for tensor in tensors:
                 dist.broadcast(tensor.data, src=0)
 
     def track_unused_parameters(self, model: nn.Module, unused: bool) -> nn.Module:
