@@ -21,7 +21,7 @@ SMALL = str(ROOT / "jobs/mshnet/small.yaml")
         (["train", SMALL, "--batch-size", "7"], "not divisible by 2 data-parallel workers"),
         (
             ["train", SMALL, "data.path=/nowhere", "data.synthesize_if_missing=false"],
-            "no data: neither '/nowhere' nor 'data/mshnet",
+            "data.path '/nowhere' does not exist: give the data set's folder",
         ),
         (["train", "nope.yaml"], "config file 'nope.yaml' not found"),
         (["test", SMALL], "test mode needs weights"),

@@ -122,8 +122,7 @@ def probe_through_dashboard(address: str, timeout_s: float = DEFAULT_TIMEOUT_S) 
 
     states = list_nodes(address=address, detail=True, raise_on_missing_output=False)
     nodes = [
-        node_summary(n.node_id, n.node_ip, n.state == "ALIVE", n.resources_total or {}, n.labels or {})
-        for n in states
+        node_summary(n.node_id, n.node_ip, n.state == "ALIVE", n.resources_total or {}, n.labels or {}) for n in states
     ]
     return {"nodes": nodes, "node_types": [], "node_types_from": ""}
 
@@ -383,6 +382,8 @@ def quiet_train_controller() -> None:
     the traceback. Filters, as Ray Train's logging set-up resets the level."""
     logger = logging.getLogger("ray.train.v2._internal.execution.controller.controller")
     logger.addFilter(lambda record: not record.getMessage().startswith("Error in control loop iteration"))
+    # an elastic run's end, said by raytpu's controller callback (raytpu.cluster.elastic): one line on the driver
+    logging.getLogger("ray.train.v2._internal.execution.callback_manager").addFilter(without_traceback)
     logging.getLogger(AUTOSCALING_CLIENT).addFilter(without_traceback)
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from raytpu.config import yaml_core
+from raytpu.config.yaml_core import YAMLError, load_yaml
 from raytpu.errors import ConfigError
 
 #: ``section.key=value``: never the value of a flag
@@ -37,8 +37,8 @@ class Typed(str):
 def parse_value(text: str) -> Any:
     """``text`` read as YAML 1.2 (a list, a mapping, a number...); as it is when it is no YAML."""
     try:
-        return yaml_core.load(text)
-    except yaml_core.yaml.YAMLError:
+        return load_yaml(text)
+    except YAMLError:
         return text
 
 

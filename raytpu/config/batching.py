@@ -4,6 +4,8 @@ devices, and whether a split of the data is large enough for it."""
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -78,6 +80,46 @@ class BatchPlan:
                 f"the {split} split of {where} has {samples} samples, fewer than the {self.workers} workers"
             )
 
+    def sized(self, workers: int, devices: int = 1) -> BatchPlan:
+        """This global batch over ``workers`` workers (another size of an elastic run): each worker's
+        micro-batch at most this plan's (what fits its memory), with the fewest accumulation steps
+        that split it evenly (over ``devices`` per worker too); a ValueError when none does."""
+        share, rest = divmod(self.global_batch, workers)
+        for accum in range(1, share + 1) if not rest else ():
+            micro, left = divmod(share, accum)
+            if not left and micro <= self.per_worker and not micro % devices:
+                return dataclasses.replace(self, workers=workers, grad_accum=accum)
+        raise ValueError(f"{self.global_batch} does not split over {workers} worker(s)")
+
     def steps_per_epoch(self, samples: int) -> int:
         """Optimizer steps in an epoch of ``samples`` train samples (``drop_last`` on every worker)."""
         return (samples // self.workers) // self.per_worker // self.grad_accum
+
+
+def elastic_plans(cfg: Config, sizes: Sequence[int], devices: int = 1) -> dict[int, BatchPlan]:
+    """The batch of each size of an elastic run, from its plan at the largest size: the global batch
+    kept, accumulation absorbing the change. A size that cannot hold it is refused in one line
+    naming the sizes and what to change."""
+    global_batch, plans, workers = cfg.data.global_batch_size, {}, max(sizes)
+    try:
+        largest = BatchPlan.of(
+            dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, num_workers=max(sizes)))
+        )
+        for workers in sizes:
+            plans[workers] = largest.sized(workers, devices)
+    except (ValueError, ConfigError):
+        steps = math.lcm(*sizes) * devices * cfg.loop.grad_accum
+        suggestion = -(-global_batch // steps) * steps
+        raise ConfigError(
+            f"data.global_batch_size={global_batch} does not split over {workers} workers, a size of "
+            f"scaling.num_workers={min(sizes)}:{max(sizes)} (each size holds the whole global batch, "
+            f"accumulation absorbing the change): use data.global_batch_size={suggestion} (a multiple of "
+            f"{steps}), or a range whose sizes all divide {global_batch}"
+        ) from None
+    return plans
+
+
+def worker_range(cfg: Config) -> tuple[int, int] | None:
+    """``(smallest, largest)`` of an elastic run (``scaling.num_workers: MIN:MAX``); None for one size."""
+    low, high = cfg.scaling.min_workers, cfg.scaling.num_workers
+    return (low, high) if 0 < low < high else None

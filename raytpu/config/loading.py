@@ -21,7 +21,6 @@ from typing import Any
 
 import yaml
 
-from raytpu.config import yaml_core
 from raytpu.config.args import (
     BOOLEAN_WORDS,
     Alias,
@@ -37,6 +36,7 @@ from raytpu.config.origins import Origins, yaml_lines
 from raytpu.config.schema import Config
 from raytpu.config.training_args import TRAINING_ARGUMENTS
 from raytpu.config.validation import validate
+from raytpu.config.yaml_core import load_yaml
 from raytpu.job import Job, JobConfig, Tabular, load_job
 
 
@@ -54,6 +54,51 @@ RENAMED_KEYS = {
     "xla.fsdp_layers": "sharding.layers",
     "xla.grad_ckpt": "sharding.activation_checkpointing",
 }
+
+
+#: keys that take a range, ``MIN:MAX`` (torchrun's ``--nnodes`` form) or ``[MIN, MAX]``, for an elastic
+#: run: the key keeps the largest size, and this key the smallest (0: a fixed size)
+RANGES = {"scaling.num_workers": "scaling.min_workers", "scaling.tpu.slices": "scaling.tpu.min_slices"}
+
+
+def range_of(key: str, value: Any) -> tuple[int, int] | None:
+    """``(MIN, MAX)`` of a range value (``"1:4"``, ``[1, 4]``), or None for a single value."""
+    if isinstance(value, Typed) and value.strip().startswith("["):
+        value = parse_value(str(value))
+    if isinstance(value, str) and ":" in value:
+        low, _, high = value.partition(":")
+        if not (re.fullmatch(r"\s*[0-9]+\s*", low) and re.fullmatch(r"\s*[0-9]+\s*", high)):
+            raise ConfigError(f"{key}={value!r}: a range is MIN:MAX in whole numbers, e.g. {key}=1:4")
+        return int(low), int(high)
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{key}={value!r}: a range is two whole numbers [MIN, MAX], e.g. [1, 4]")
+        return int(value[0]), int(value[1])
+    return None
+
+
+def expanded(key: str, value: Any) -> list[tuple[str, Any]]:
+    """``key=value`` as the keys it sets: a range sets its largest size and its smallest; a single
+    number typed by the user makes the size fixed again (internal values set the size alone)."""
+    if key not in RANGES:
+        return [(key, value)]
+    bounds = range_of(key, value)
+    if bounds is not None:
+        return [(key, bounds[1]), (RANGES[key], bounds[0])]
+    return [(key, value), (RANGES[key], 0)] if isinstance(value, Typed) else [(key, value)]
+
+
+def expand_file_ranges(raw: dict[str, Any]) -> None:
+    """A file's range values (``num_workers: 1:4``) as its two keys, in place."""
+    for key, low_key in RANGES.items():
+        *parents, name = key.split(".")
+        section = raw
+        for part in parents:
+            section = section.get(part) if isinstance(section, dict) else None
+        if isinstance(section, dict) and name in section:
+            bounds = range_of(key, section[name])
+            if bounds is not None:
+                section[name], section[low_key.rsplit(".", 1)[1]] = bounds[1], bounds[0]
 
 
 #: flags and short keys every job accepts: alias -> dotted key
@@ -92,6 +137,7 @@ def read_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         origins = Origins(yaml_lines(path, text))
     move_renamed_keys(raw)
+    expand_file_ranges(raw)
     job_section = raw.get("job") or {}
     if isinstance(job_section, str):
         job_section = {"name": job_section}
@@ -180,7 +226,7 @@ def read_yaml(path: Path) -> Any:
 
 def parse_yaml(path: Path, text: str) -> Any:
     try:
-        return yaml_core.load(text) or {}
+        return load_yaml(text) or {}
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -304,12 +350,13 @@ def all_keys(obj: Any, prefix: str = "") -> list[str]:
 def with_values(cfg: Any, values: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> Any:
     """A copy of ``cfg`` with each dotted key set (``optim.lr``, ``optim.betas.0``), with the same
     checks as a file; ``cfg`` itself is frozen and never changes."""
-    for key, value in values.items() if isinstance(values, Mapping) else values:
-        if key == "job.name":
-            if value != cfg.job.name:
-                raise ConfigError("job.name cannot change the job of a config file; use another config")
-            continue
-        cfg = replaced(cfg, cfg, key.split("."), value, key)
+    for given_key, given in values.items() if isinstance(values, Mapping) else values:
+        for key, value in expanded(given_key, given):
+            if key == "job.name":
+                if value != cfg.job.name:
+                    raise ConfigError("job.name cannot change the job of a config file; use another config")
+                continue
+            cfg = replaced(cfg, cfg, key.split("."), value, key)
     return cfg
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raytpu.config.batching import BatchPlan
+from raytpu.config.batching import BatchPlan, elastic_plans, worker_range
 from raytpu.config.loading import from_dict, to_dict, with_values
 from raytpu.config.schema import Config
 from raytpu.errors import ConfigError
@@ -107,6 +107,23 @@ class Plan:
         a finder stepped down to), and facts changed (the trial's command): :func:`make_plan`."""
         return make_plan(with_values(self.asked, values), dataclasses.replace(self.facts, **facts))
 
+    def at_size(self, workers: int, devices: int = 1) -> Plan:
+        """This plan on ``workers`` workers, each driving ``devices`` (the size an elastic run's group
+        got): the same global batch, with the accumulation steps that hold it at that size."""
+        scaling = self.config.scaling
+        if workers == scaling.num_workers:
+            return self
+        batch = self.batch.sized(workers, devices)
+        values = {
+            "scaling.num_workers": workers,
+            "loop.grad_accum": batch.grad_accum,
+            "data.global_batch_size": batch.global_batch,
+            "data.per_device_train_batch_size": 0,
+        }
+        if scaling.tpu.min_slices:  # the unit is a slice
+            values["scaling.tpu.slices"] = workers // (scaling.num_workers // scaling.tpu.slices)
+        return self.remade(values)
+
     def as_dict(self) -> dict[str, Any]:
         facts = dataclasses.asdict(self.facts)
         return {
@@ -169,8 +186,23 @@ def make_plan(cfg: Config, facts: Facts) -> Plan:
     notes += [f"warning: {warning}"] if warning else []
     if scaling.precision == "auto" and placement.runtime != "cpu":
         notes.append(f"scaling.precision {precision_reason(placement.runtime, 'auto', precision)}")
-    notes += cpu_note(cfg, resolved) + bucket_note(resolved)
+    notes += cpu_note(cfg, resolved) + bucket_note(resolved) + elastic_note(resolved)
     return Plan(resolved, cfg, facts, placement, datasets_of(resolved, facts.mode), tuple(notes))
+
+
+def elastic_note(cfg: Config) -> list[str]:
+    """An elastic run's sizes and what each means for the batch: ``elastic, 1 to 2 workers: 2 x 4
+    per worker; 1 x 4 per worker x 2 accumulation steps (global batch 8 at every size)``."""
+    if not worker_range(cfg):
+        return []
+    devices = devices_per_worker(cfg)
+    sizes = elastic_plans(cfg, elastic_sizes(cfg), devices)
+    parts = []
+    for workers, batch in sorted(sizes.items(), reverse=True):
+        steps = f" x {batch.grad_accum} accumulation steps" if batch.grad_accum > 1 else ""
+        parts.append(f"{workers} x {batch.per_worker} per worker{steps}")
+    batch = cfg.data.global_batch_size
+    return [f"elastic, {min(sizes)} to {max(sizes)} workers: {'; '.join(parts)} (global batch {batch} at every size)"]
 
 
 def datasets_of(cfg: Config, mode: str) -> tuple[str, ...]:
@@ -229,7 +261,21 @@ def resolve_config(
     resolved = with_values(cfg, values)
     if batch:
         BatchPlan.of(resolved)  # checks the split
+        if worker_range(resolved):  # and at every size of an elastic run
+            elastic_plans(resolved, elastic_sizes(resolved), devices_per_worker(resolved))
     return resolved
+
+
+def devices_per_worker(cfg: Config) -> int:
+    """The devices each worker splits its share of the batch over: a TPU host's chips under SPMD."""
+    scaling = cfg.scaling
+    if scaling.runtime != "xla" or scaling.tpu.layout == "multiprocess":
+        return 1
+    if scaling.tpu.accelerator_type:
+        from raytpu.runtime.tpu import slice_spec
+
+        return slice_spec(scaling.tpu.accelerator_type, scaling.tpu.topology).chips_per_host
+    return int(scaling.resources_per_worker.get("TPU", 1)) or 1
 
 
 def sharded(cfg: Config, runtime: str, precision: str) -> dict[str, Any]:
@@ -266,7 +312,24 @@ def placed(cfg: Config, placement: Placement | None) -> dict[str, Any]:
         values.update({"scaling.tpu.accelerator_type": accelerator_type, "scaling.tpu.topology": topology})
     elif placement.tpu_chips and "TPU" not in cfg.scaling.resources_per_worker:
         values["scaling.resources_per_worker"] = {**cfg.scaling.resources_per_worker, "TPU": placement.tpu_chips}
+    tpu = cfg.scaling.tpu
+    if placement.runtime == "xla" and tpu.accelerator_type and (tpu.slices > 1 or tpu.min_slices):
+        from raytpu.runtime.tpu import slice_spec, workers_for_layout
+
+        per_slice, _ = workers_for_layout(slice_spec(tpu.accelerator_type, tpu.topology), tpu.layout)
+        values.update(
+            {"scaling.num_workers": tpu.slices * per_slice, "scaling.min_workers": tpu.min_slices * per_slice}
+        )
     return values
+
+
+def elastic_sizes(cfg: Config) -> list[int]:
+    """The sizes an elastic run may take: every count of workers in its range, or of a TPU slice's
+    workers when its unit is a slice (``scaling.tpu.slices: MIN:MAX``)."""
+    low, high = worker_range(cfg) or (cfg.scaling.num_workers, cfg.scaling.num_workers)
+    tpu = cfg.scaling.tpu
+    step = high // tpu.slices if cfg.scaling.runtime == "xla" and tpu.accelerator_type and tpu.min_slices else 1
+    return list(range(low, high + 1, step))
 
 
 def per_device_batches(cfg: Config) -> dict[str, int]:

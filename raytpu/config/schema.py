@@ -25,12 +25,16 @@ class TPUSettings:
     accelerator_type: str = ""  # e.g. TPU-V5LITEPOD, TPU-V4, TPU-V6E
     topology: str = ""  # e.g. 2x4
     layout: str = "spmd"  # spmd | multiprocess
+    # the slices of that type the workers form; MIN:MAX for an elastic run, whose unit is a whole slice
+    slices: int = 1
+    min_slices: int = 0  # the smallest number of slices of an elastic run (set by slices: MIN:MAX; 0: fixed)
 
 
 @dataclass(frozen=True)
 class ScalingSettings:
     runtime: str = "auto"  # auto | cpu | cuda | xla
-    num_workers: int = 1
+    num_workers: int = 1  # workers; MIN:MAX (or [MIN, MAX]) for an elastic run, whose largest size this keeps
+    min_workers: int = 0  # the smallest size of an elastic run (set by num_workers: MIN:MAX; 0: a fixed size)
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     tf32: bool = True  # cuda: TF32 tensor cores for the matmuls and convolutions left in fp32
     device_memory_gb: float = 0.0  # each device's memory for the estimate (0: the device's own, or its kind's)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from raytpu.config.batching import BatchPlan
+from raytpu.config.batching import BatchPlan, elastic_plans
 from raytpu.errors import ConfigError
 from raytpu.hooks import callback_class
 
@@ -38,6 +38,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
 LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "run.seed": (0, True),
     "scaling.num_workers": (1, True),
+    "scaling.min_workers": (0, True),
+    "scaling.tpu.slices": (1, True),
+    "scaling.tpu.min_slices": (0, True),
     "scaling.cpus_per_worker": (0, True),
     "scaling.device_memory_gb": (0, True),
     "scaling.node_start_timeout_s": (0, False),
@@ -113,15 +116,35 @@ def validate(cfg: Config, job: Job | None = None) -> None:
     if cfg.xla.mesh.data == 0 or cfg.xla.mesh.fsdp == 0 or min(cfg.xla.mesh.data, cfg.xla.mesh.fsdp) < -1:
         raise ConfigError("xla.mesh.data and xla.mesh.fsdp must be at least 1, or -1 for the rest of the devices")
     check_profile(cfg.loop.profile_steps, cfg.loop.profile_ranks, cfg.scaling.num_workers)
+    check_range("scaling.num_workers", cfg.scaling.min_workers, cfg.scaling.num_workers)
+    check_range("scaling.tpu.slices", cfg.scaling.tpu.min_slices, cfg.scaling.tpu.slices)
+    if (cfg.scaling.min_workers or cfg.scaling.tpu.min_slices) and cfg.loop.auto_find_batch_size:
+        raise ConfigError(
+            "loop.auto_find_batch_size with a range of workers: an elastic run keeps each worker's micro-batch "
+            "at or below its largest size's; give one size, or leave the finder off"
+        )
+    if (cfg.scaling.min_workers or cfg.scaling.tpu.min_slices) and cfg.data.loader == "ray":
+        raise ConfigError(
+            "an elastic run (a range of workers) needs data.loader=torch: Ray Data splits the train set anew at "
+            "each size, so a resumed epoch would not continue at its exact sample"
+        )
     unknown = [name for name in cfg.logging.report_to if name not in TRACKERS]
     if unknown:
         raise ConfigError(f"logging.report_to: {', '.join(map(str, unknown))} is not one of {', '.join(TRACKERS)}")
     for name in cfg.loop.callbacks:  # imported here, on the driver: a wrong name fails before any worker
         callback_class(name)
     if not cfg.data.per_device_train_batch_size:  # else checked once the runtime is known
+        if cfg.scaling.min_workers:
+            elastic_plans(cfg, range(cfg.scaling.min_workers, cfg.scaling.num_workers + 1))
         BatchPlan.of(cfg)
     if job is not None:
         job.check_config(cfg)
+
+
+def check_range(key: str, low: int, high: int) -> None:
+    """An elastic range: its smallest size at least 1 and at most its largest (``low`` 0: fixed)."""
+    if low and low > high:
+        raise ConfigError(f"{key}={low}:{high}: the smallest size must be at most the largest, e.g. {key}={high}:{low}")
 
 
 def check_profile(steps: list[int], ranks: list[int], workers: int) -> None:

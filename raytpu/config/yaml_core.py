@@ -4,7 +4,7 @@ on the command line.
 PyYAML implements YAML 1.1, whose implicit types surprise: ``0755`` is octal (493), ``1:30`` is
 base 60 (90), ``no`` / ``off`` are false. YAML 1.2's core schema (what most YAML tools read
 today) knows only ``true`` / ``false``, decimal, ``0o`` octal and ``0x`` hexadecimal integers, and
-plain floats (``1e-4`` included, which YAML 1.1 reads as a string). :func:`load` is PyYAML's safe
+plain floats (``1e-4`` included, which YAML 1.1 reads as a string). :func:`load_yaml` is PyYAML's safe
 loader with those implicit types, and nothing else changed.
 """
 
@@ -47,6 +47,9 @@ for _tag, _pattern, _first in CORE_TYPES:
 CoreLoader.add_constructor("tag:yaml.org,2002:int", CoreLoader.construct_core_int)
 
 
-def load(text: str) -> Any:
+YAMLError = yaml.YAMLError
+
+
+def load_yaml(text: str) -> Any:
     """``yaml.safe_load`` with YAML 1.2's core-schema scalars."""
     return yaml.load(text, Loader=CoreLoader)  # noqa: S506 (a safe loader)

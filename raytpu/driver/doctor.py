@@ -364,9 +364,11 @@ def memory_estimate(path: str, overrides: list[str]) -> list[str]:
     """``raytpu doctor CONFIG``: the config's memory per device (``raytpu.config.memory``)."""
     from raytpu.config import load_config
     from raytpu.config.memory import estimate_lines
+    from raytpu.config.plan import elastic_note
 
     cfg, job = load_config(path, overrides)
-    return ["memory     " + line if index == 0 else line for index, line in enumerate(estimate_lines(cfg, job))]
+    lines = ["memory     " + line if index == 0 else line for index, line in enumerate(estimate_lines(cfg, job))]
+    return lines + [f"workers    {note}" for note in elastic_note(cfg)]
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from raytpu.config import CheckpointSettings, Config, RunSettings, ScalingSettings, build_dataclass, with_values
-from raytpu.config.loading import profile_window
+from raytpu.config.loading import expand_file_ranges, profile_window
 from raytpu.config.plan import Facts, Plan, ScriptPlan, anchored, make_plan
 from raytpu.config.validation import check_number, check_profile
 from raytpu.errors import ConfigError, RunFailed
@@ -97,6 +97,7 @@ FLAG_KEYS = {
 def settings_from(args: Any) -> LaunchSettings:
     """The parsed ``raytpu launch`` arguments (and ``--config``'s sections), checked."""
     sections = read_sections(args.config) if args.config else {}
+    expand_file_ranges(sections)
     cfg = Config(
         scaling=build_dataclass(ScalingSettings, sections.get("scaling"), "scaling."),
         run=build_dataclass(RunSettings, sections.get("run"), "run."),
@@ -147,6 +148,12 @@ def check(settings: LaunchSettings) -> None:
     if settings.scaling.runtime not in ("auto", "cpu", "cuda", "xla"):
         raise ConfigError(f"--runtime {settings.scaling.runtime!r} is not one of auto, cpu, cuda, xla")
     check_number("--num_processes", settings.scaling.num_workers, (1, True))
+    if settings.scaling.min_workers:
+        raise ConfigError(
+            f"raytpu launch runs a script that owns its world size: scaling.num_workers="
+            f"{settings.scaling.min_workers}:{settings.scaling.num_workers} (an elastic range) is for raytpu train; "
+            "give one size (--num_processes N)"
+        )
     check_number("--gradient_accumulation_steps", settings.gradient_accumulation_steps, (1, True))
     check_number("--cpus-per-worker", settings.scaling.cpus_per_worker, (0, True))
     check_number("--max-failures", settings.config.checkpoint.max_failures, (-1, True))

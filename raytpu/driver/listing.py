@@ -12,6 +12,7 @@ from typing import Any
 
 from raytpu.config import Config, ConfigError
 from raytpu.config.plan import storage_of
+from raytpu.records import resizes
 from raytpu.records import summary as run_summary
 from raytpu.storage.filesystems import join
 from raytpu.storage.run_folder import RunFolder
@@ -39,15 +40,22 @@ def run_table(folder: RunFolder) -> str:
     marks = {summary.get("best_checkpoint"): "best", summary.get("latest_checkpoint"): "latest"}
     if summary.get("best_checkpoint") == summary.get("latest_checkpoint"):
         marks[summary.get("best_checkpoint")] = "best, latest"
-    lines = [f"run {folder.location}: {status_of(summary)}", "checkpoint          step  epoch  reason     metrics"]
+    lines = [
+        f"run {folder.location}: {status_of(summary)}",
+        "checkpoint          step  epoch  workers  reason     metrics",
+    ]
     for found in run_summary.checkpoints(folder):
         mark = f"  <- {marks[found['name']]}" if found["name"] in marks else ""
         lines.append(
             f"{found['name']}  {found.get('step', '?'):>5}  {found.get('epoch', '?'):>5}  "
-            f"{found.get('reason', ''):<9}  {metrics_text(found.get('metrics', {}))}{mark}"
+            f"{found.get('world_size', '?'):>7}  {found.get('reason', ''):<9}  "
+            f"{metrics_text(found.get('metrics', {}))}{mark}"
         )
     if len(lines) == 2:
         lines.append("(no complete checkpoint yet)")
+    for change in resizes.read(folder):
+        when = datetime.datetime.fromtimestamp(change["ended"]).isoformat(timespec="seconds")
+        lines.append(f"workers {change['from']} -> {change['to']} at {when}: {change['reason']}")
     return "\n".join(lines)
 
 

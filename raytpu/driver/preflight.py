@@ -22,6 +22,7 @@ import pyarrow.fs as pafs
 
 from raytpu.cluster.connect import check_reachable, one_line
 from raytpu.config import Config, ConfigError, with_values
+from raytpu.config.batching import worker_range
 from raytpu.config.origins import typed_on_command_line
 from raytpu.config.plan import Plan, tracking
 from raytpu.errors import RunFailed
@@ -220,6 +221,11 @@ def check_local(cfg: Config) -> None:
         raise ConfigError("--local runs without Ray: data.loader=ray needs it; use data.loader=torch or drop --local")
     if cfg.scaling.runtime == "xla" and cfg.scaling.num_workers > 1:
         raise ConfigError("--local with runtime=xla runs one worker (use xla.spmd=true for several devices)")
+    if worker_range(cfg):
+        raise ConfigError(
+            f"--local runs a fixed number of processes: scaling.num_workers={cfg.scaling.min_workers}:"
+            f"{cfg.scaling.num_workers} (an elastic range) needs Ray (drop --local), or give one size"
+        )
 
 
 def check_local_accelerators(placement: Placement, offer: ClusterOffer) -> None:
@@ -337,6 +343,6 @@ def check_placement(plan: Plan) -> None:
     if plan.facts.local:
         check_local_accelerators(plan.placement, offer)
         return
-    from raytpu.driver.ray_trainer import worker_bundles
+    from raytpu.driver.ray_trainer import worker_bundles, workers_text
 
-    check_fit(worker_bundles(cfg), f"{cfg.scaling.num_workers} {cfg.scaling.runtime} worker(s)", offer)
+    check_fit(worker_bundles(cfg, smallest=True), workers_text(cfg, smallest=True), offer)

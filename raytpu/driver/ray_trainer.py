@@ -12,12 +12,17 @@ import threading
 from typing import Any
 
 from raytpu.config import Config
-from raytpu.config.plan import Plan
+from raytpu.config.batching import elastic_plans, worker_range
+from raytpu.config.plan import Plan, devices_per_worker, elastic_sizes
 from raytpu.errors import RunFailed
 from raytpu.records.batches import ray_max_failures
 from raytpu.runtime.placement import Bundle
 from raytpu.runtime.tpu import check_num_workers, slice_spec, workers_for_layout
 from raytpu.storage.filesystems import filesystem, is_remote
+
+#: Ray Train's resize monitor of an elastic run, which raytpu leaves idle: it would stop a growing
+#: group's workers wherever they are; raytpu grows it at a checkpoint (``raytpu.cluster.elastic``)
+NEVER_S = 10.0**9
 
 
 def scaling_kwargs(cfg: Config) -> dict[str, Any]:
@@ -25,17 +30,20 @@ def scaling_kwargs(cfg: Config) -> dict[str, Any]:
     gang-schedules the whole slice: one worker per host (spmd) or per chip (multiprocess),
     checked against ``num_workers`` here."""
     resources = {"CPU": cfg.scaling.cpus_per_worker, **cfg.scaling.resources_per_worker}
+    sizes = worker_range(cfg)
     kwargs: dict[str, Any] = {
-        "num_workers": cfg.scaling.num_workers,
+        "num_workers": sizes or cfg.scaling.num_workers,
         "use_gpu": cfg.scaling.runtime == "cuda",
         "resources_per_worker": resources,
     }
+    if sizes:  # Ray restarts the group at what fits after a loss; raytpu grows it at checkpoints
+        kwargs["elastic_resize_monitor_interval_s"] = NEVER_S
     tpu = cfg.scaling.tpu
     if cfg.scaling.runtime == "xla" and resources.get("TPU"):  # one worker's chips (raytpu.runtime.placement)
         kwargs["use_tpu"] = True
     if cfg.scaling.runtime == "xla" and tpu.accelerator_type:
         spec = slice_spec(tpu.accelerator_type, tpu.topology)
-        check_num_workers(spec, tpu.layout, cfg.scaling.num_workers)
+        check_num_workers(spec, tpu.layout, cfg.scaling.num_workers, tpu.slices)
         _, tpu_resources = workers_for_layout(spec, tpu.layout)
         kwargs.update(
             use_tpu=True,
@@ -46,13 +54,22 @@ def scaling_kwargs(cfg: Config) -> dict[str, Any]:
     return kwargs
 
 
-def worker_bundles(cfg: Config) -> list[Bundle]:
-    """One resource bundle per worker, as the run's ``TorchTrainer`` reserves them."""
+def worker_bundles(cfg: Config, smallest: bool = False) -> list[Bundle]:
+    """One resource bundle per worker, as the run's ``TorchTrainer`` reserves them (``smallest``: of
+    an elastic run's smallest size, which it starts with)."""
     kwargs = scaling_kwargs(cfg)
     bundle = {name: float(amount) for name, amount in kwargs["resources_per_worker"].items() if amount}
     if kwargs["use_gpu"]:
         bundle.setdefault("GPU", 1.0)
-    return [bundle] * cfg.scaling.num_workers
+    sizes = worker_range(cfg)
+    return [bundle] * (sizes[0] if sizes and smallest else cfg.scaling.num_workers)
+
+
+def workers_text(cfg: Config, smallest: bool = False) -> str:
+    """``2 cpu worker(s)``, or of an elastic run ``1 to 2 cpu worker(s)`` (``smallest``: its smallest size)."""
+    sizes = worker_range(cfg)
+    count = (f"{sizes[0]}" if smallest else f"{sizes[0]} to {sizes[1]}") if sizes else f"{cfg.scaling.num_workers}"
+    return f"{count} {cfg.scaling.runtime} worker(s)"
 
 
 def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
@@ -73,6 +90,16 @@ def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
         checkpoint_score_order="max" if plan.facts.main_metric_mode == "max" else "min",
     )
     failures = ray_max_failures(cfg) if plan.mode == "train" else cfg.checkpoint.max_failures
+    callbacks = list(callbacks or [])
+    sizes = worker_range(cfg)
+    if sizes:  # losses and growths are retried without limit; the watch keeps the failure budget
+        from raytpu.cluster.elastic import ElasticWatch
+
+        plans = elastic_plans(cfg, elastic_sizes(cfg), devices_per_worker(cfg))
+        accumulation = {workers: batch.grad_accum for workers, batch in plans.items()}
+        limit, global_batch = cfg.scaling.node_start_timeout_s, cfg.data.global_batch_size
+        callbacks.append(ElasticWatch(plan.run_dir, plan.facts.command, accumulation, global_batch, failures, limit))
+        failures = -1
     run_config = RunConfig(
         name=plan.name,
         **ray_storage(plan.storage),
@@ -80,7 +107,7 @@ def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
         failure_config=FailureConfig(max_failures=failures),
         # Ray Train's own per-report, per-checkpoint and scheduling lines: shown with --verbose
         logging_config=LoggingConfig(log_level="INFO" if cfg.logging.verbose else "WARNING"),
-        callbacks=callbacks or [],
+        callbacks=callbacks,
     )
     return TorchTrainer(
         ray_entry,
@@ -204,8 +231,8 @@ def wait_for_workers(plan: Plan) -> None:
 
     cfg = plan.config
     offer = read_offer(this_machine=joined_here())
-    bundles = worker_bundles(cfg)
-    what = f"{cfg.scaling.num_workers} {cfg.scaling.runtime} worker(s)"
+    bundles = worker_bundles(cfg, smallest=True)  # an elastic run starts once its smallest size fits
+    what = workers_text(cfg, smallest=True)
     verdict = judge_fit(bundles, offer, what).verdict
     if verdict in ("later", "busy"):
         wait_for_nodes(bundles, what, cfg.scaling.node_start_timeout_s, offer, held_by_others=verdict == "busy")

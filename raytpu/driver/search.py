@@ -58,13 +58,13 @@ def parse_search(text: str) -> Search:
 
 
 def make_search(key: str, kind: str, body: str, text: str) -> Search:
-    from raytpu.config import yaml_core
+    from raytpu.config.yaml_core import YAMLError, load_yaml
 
     if kind not in DOMAINS:
         raise ConfigError(f"search {text!r}: unknown domain {kind!r}; use one of {', '.join(DOMAINS)}")
     try:
-        args = yaml_core.load(f"[{body}]")
-    except yaml_core.yaml.YAMLError as exc:
+        args = load_yaml(f"[{body}]")
+    except YAMLError as exc:
         raise ConfigError(f"search {text!r}: cannot read the arguments {body!r}") from exc
     args = [float(a) if isinstance(a, str) and _is_number(a) else a for a in args]
     arity = DOMAINS[kind]

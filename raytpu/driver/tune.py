@@ -28,6 +28,7 @@ from raytpu.cluster.capacity import read_offer
 from raytpu.cluster.connect import joined_here, one_line, ray_for_this_command
 from raytpu.config import Config, ConfigError, TuneSettings, dump_yaml, with_values
 from raytpu.config.args import extract
+from raytpu.config.batching import worker_range
 from raytpu.config.loading import read_config
 from raytpu.config.plan import Plan, storage_of
 from raytpu.driver.ray_trainer import ray_storage, wait_for_workers, worker_bundles
@@ -254,6 +255,11 @@ def sweep(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
 
     from raytpu.driver.commands import plan_run
 
+    if worker_range(cfg):
+        raise ConfigError(
+            f"raytpu tune runs each trial at one size: scaling.num_workers={cfg.scaling.min_workers}:"
+            f"{cfg.scaling.num_workers} is an elastic range, for raytpu train; give one size (scaling.num_workers=N)"
+        )
     searches = searches_of(cfg)
     plan = plan_run(cfg, job, "train", address)
     sweep = Sweep(cfg, job, searches, plan.facts.data_root)

@@ -3,7 +3,9 @@
 A run's wall time, from the command's start to its exit, splits into categories that add up to it:
 ``startup`` (the command to the first step: Ray, workers, process group, data set-up),
 ``compilation``, ``productive`` (training steps), ``input``, ``evaluation``, ``checkpointing``,
-``lost`` (work after a restart's last checkpoint, redone, and the restart itself) and ``shutdown``.
+``lost`` (work after a restart's last checkpoint, redone, and the restart itself), ``resizing``
+(an elastic run's time from a change of size, a node lost or capacity added, to the new group's
+first step: ``raytpu.records.resizes``) and ``shutdown``.
 Goodput is productive over wall. The driver writes a command's start and end, rank 0 each attempt's
 step phases (``raytpu.worker.timing.StepClock``); both meet in this record, so that a resumed run's
 breakdown covers all of them.
@@ -22,7 +24,17 @@ from raytpu.storage.run_folder import RunFolder
 RECORD = "goodput.json"
 
 
-CATEGORIES = ("startup", "compilation", "productive", "input", "evaluation", "checkpointing", "lost", "shutdown")
+CATEGORIES = (
+    "startup",
+    "compilation",
+    "productive",
+    "input",
+    "evaluation",
+    "checkpointing",
+    "lost",
+    "resizing",
+    "shutdown",
+)
 
 
 @dataclass(frozen=True)
@@ -84,28 +96,31 @@ def end(folder: RunFolder, command: Command, outcome: str, marks: dict[str, floa
     """The driver: this command ends (``completed``, ``stopped`` or ``failed``); the run's whole
     breakdown written with the record and returned. ``marks``: named moments of the command (when
     it joined Ray, ...), kept with it for a finer split of its start-up."""
+    from raytpu.records import resizes
+
     record = read_record(folder)
     entry = find_command(record, command)
     entry.update(ended=time.time(), outcome=outcome)
     if marks:
         entry["marks"] = {**entry.get("marks", {}), **marks}
-    record.update(breakdown(record))
+    record.update(breakdown(record, [change["ended"] for change in resizes.read(folder)]))
     write_record(folder, record)
     return record
 
 
-def breakdown(record: dict[str, Any]) -> dict[str, Any]:
+def breakdown(record: dict[str, Any], resized: list[float] | tuple[float, ...] = ()) -> dict[str, Any]:
     """``{"wall_s", "goodput", "categories"}`` over every command of the record; the categories
-    add up to the wall time (each command's time from its start to its end, or its last record)."""
+    add up to the wall time (each command's time from its start to its end, or its last record).
+    ``resized``: when each group of an elastic run that changed size ended."""
     totals = dict.fromkeys(CATEGORIES, 0.0)
     for command in record["commands"]:
-        for name, seconds in command_breakdown(command).items():
+        for name, seconds in command_breakdown(command, resized).items():
             totals[name] += seconds
     wall = sum(totals.values())
     return {"wall_s": wall, "goodput": totals["productive"] / wall if wall > 0 else 0.0, "categories": totals}
 
 
-def command_breakdown(command: dict[str, Any]) -> dict[str, float]:
+def command_breakdown(command: dict[str, Any], resized: list[float] | tuple[float, ...] = ()) -> dict[str, float]:
     totals = dict.fromkeys(CATEGORIES, 0.0)
     attempts = sorted(command["attempts"], key=lambda a: a["first_step"])
     last = attempts[-1]["recorded"] if attempts else command["started"]
@@ -121,7 +136,12 @@ def command_breakdown(command: dict[str, Any]) -> dict[str, float]:
         totals["productive"] += max(spent - sum(attempt["seconds"].values()), 0.0)
         following = attempts[index + 1]["first_step"] if index + 1 < len(attempts) else None
         if following is not None:  # what the attempt did after its last checkpoint, and the restart
-            totals["lost"] += max(following - attempt["recorded"], 0.0)
+            change = next((at for at in resized if attempt["recorded"] <= at <= following), None)
+            if change is None:
+                totals["lost"] += max(following - attempt["recorded"], 0.0)
+            else:  # a change of size: the work since the checkpoint lost, the time from the change on resizing
+                totals["lost"] += change - attempt["recorded"]
+                totals["resizing"] += following - change
     after = max(ended - attempts[-1]["recorded"], 0.0)
     totals["shutdown" if attempts[-1]["final"] else "lost"] += after
     return totals

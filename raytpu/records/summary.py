@@ -3,8 +3,9 @@ trains it (completed, stopped or failed), in a local folder or a bucket.
 
 It names the best and the latest checkpoint by their folder names (``checkpoint_00000400``), so
 that a run folder copied elsewhere still reads right, with the metrics each was reported with, the
-final metrics, the goodput breakdown and every command that trained the run (its attempts, from the
-goodput record). ``raytpu runs`` and ``--checkpoint best|latest`` read it.
+final metrics, the goodput breakdown and every command that trained the run (the size of each of
+its attempts, from the goodput record), and an elastic run's changes of size. ``raytpu runs`` and
+``--checkpoint best|latest`` read it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from raytpu.records import resizes
 from raytpu.records.checkpoints import META
 from raytpu.records.reports import CHECKPOINT_NAME
 from raytpu.storage.run_folder import RunFolder
@@ -35,8 +37,15 @@ def write(folder: RunFolder, outcome: str, ended: dict[str, Any], goodput: dict[
     summary["status"] = outcome
     summary["goodput"] = {key: goodput.get(key) for key in ("goodput", "wall_s", "categories")}
     summary["attempts"] = [
-        {key: entry.get(key) for key in ("id", "started", "ended", "outcome")} for entry in goodput.get("commands", [])
+        {
+            **{key: entry.get(key) for key in ("id", "started", "ended", "outcome")},
+            "workers": [attempt.get("workers") for attempt in sorted(entry["attempts"], key=lambda a: a["first_step"])],
+        }
+        for entry in goodput.get("commands", [])
     ]
+    changes = resizes.read(folder)
+    if changes:
+        summary["resizes"] = changes
     folder.write_text(SUMMARY, json.dumps(summary, indent=1))
     return summary
 

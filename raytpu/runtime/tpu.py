@@ -179,14 +179,17 @@ def workers_for_layout(spec: SliceSpec, layout: str) -> tuple[int, dict[str, flo
     raise ValueError(f"unknown TPU layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
 
 
-def check_num_workers(spec: SliceSpec, layout: str, num_workers: int) -> None:
-    """Raise a one-line ValueError naming the right worker count when ``num_workers`` does not fit the slice."""
-    expected, _ = workers_for_layout(spec, layout)
+def check_num_workers(spec: SliceSpec, layout: str, num_workers: int, slices: int = 1) -> None:
+    """Raise a one-line ValueError naming the right worker count when ``num_workers`` is not one
+    worker per host (spmd) or chip (multiprocess) of ``slices`` slices."""
+    per_slice, _ = workers_for_layout(spec, layout)
+    expected = per_slice * slices
     if num_workers != expected:
         unit = "host" if layout == "spmd" else "chip"
+        of = f" of {slices} slices" if slices > 1 else ""
         raise ValueError(
             f"{spec.pod_type} ({spec.num_hosts} host(s) x {spec.chips_per_host} chips) with layout '{layout}' "
-            f"needs num_workers={expected} (one per {unit}), got {num_workers}"
+            f"needs num_workers={expected} (one per {unit}{of}), got {num_workers}"
         )
 
 

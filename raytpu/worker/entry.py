@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from raytpu.config import Config
-from raytpu.config.plan import Plan
+from raytpu.config.batching import worker_range
+from raytpu.config.plan import Plan, elastic_sizes
 from raytpu.errors import WorkerFailed
 from raytpu.job import load_job
 from raytpu.records import devices
@@ -52,9 +53,11 @@ def work(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | 
         run_script_worker(plan, seat, reporter)
         return
     from raytpu.runtime import make_runtime
-    from raytpu.worker.loop import Trainer
+    from raytpu.worker.loop import Growth, Trainer
 
-    cfg, job = plan.config, load_job(plan.config.job.name)
+    job = load_job(plan.config.job.name)
+    sizes = elastic_sizes(plan.config) if worker_range(plan.config) else []
+    cfg = plan.config
     scaling, cache = cfg.scaling, compile_cache(cfg, plan.run_dir)
     compile_mode = cfg.loop.compile_mode if cfg.loop.compile == "true" else ""
     runtime = make_runtime(
@@ -73,9 +76,13 @@ def work(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | 
     if runtime.is_main:
         devices.record(folder, devices.of(runtime, scaling.precision))
     command = Command(plan.facts.command, plan.facts.started) if plan.facts.command else None
+    growth = Growth(sizes[-1], sizes[1] - sizes[0]) if sizes else None
+    plan = plan.at_size(seat.world, runtime.local_devices)  # an elastic run's batch at the size it got
+    cfg = plan.config
 
     def trainer(cfg: Config) -> Trainer:
-        return Trainer(cfg, job, runtime, plan.run_dir, Path(plan.facts.data_root), reporter, datasets, command=command)
+        data_root = Path(plan.facts.data_root)
+        return Trainer(cfg, job, runtime, plan.run_dir, data_root, reporter, datasets, command=command, growth=growth)
 
     if plan.mode == "train":
         fit_finding_batch(plan, runtime, folder, lambda cfg: trainer(cfg).fit())

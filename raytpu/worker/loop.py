@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from raytpu.job import (
 )
 from raytpu.records import checkpoints as ckpt
 from raytpu.records.goodput import Command
+from raytpu.records.resizes import Regrow
 from raytpu.records.trackers import Trackers, open_trackers
 from raytpu.runtime.base import Runtime
 from raytpu.storage.run_folder import RunFolder
@@ -58,6 +60,14 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class Growth:
+    """What an elastic run may grow to: its largest size, in steps of ``unit`` workers (a TPU slice's)."""
+
+    largest: int
+    unit: int = 1
+
+
 class Trainer:
     def __init__(
         self,
@@ -70,11 +80,13 @@ class Trainer:
         datasets: dict[str, Any] | None = None,
         callbacks: Sequence[Callback] = (),
         command: Command | None = None,
+        growth: Growth | None = None,
     ) -> None:
         """``datasets``: split -> Ray ``DataIterator``, read when ``data.loader`` is ``ray``.
         ``command``: the command this attempt belongs to, whose driver keeps the goodput record (rank
-        0 adds the attempt's step phases to it); without one, no record is kept."""
-        self.cfg, self.job, self.runtime = cfg, job, runtime
+        0 adds the attempt's step phases to it); without one, no record is kept. ``growth``: an
+        elastic run's largest size and its unit, to grow to at a checkpoint when the cluster has room."""
+        self.cfg, self.job, self.runtime, self.growth = cfg, job, runtime, growth
         self.folder = RunFolder(run_dir)  # a local folder or a bucket prefix
         self.data_root, self.reporter = data_root, reporter
         self.datasets = datasets or {}
@@ -99,7 +111,9 @@ class Trainer:
         self.peak_flops: float | None = None
         self.command_id = command.id if command is not None else ""
         recorded = runtime.is_main and command is not None  # rank 0 of a command's run keeps the record
-        self.clock = StepClock(self.folder if recorded else None, command or Command(), runtime.compile_seconds)
+        self.clock = StepClock(
+            self.folder if recorded else None, command or Command(), runtime.compile_seconds, runtime.world_size
+        )
         steps, ranks = cfg.loop.profile_steps, cfg.loop.profile_ranks
         traced = bool(steps) and runtime.rank in ranks
         self.profile = ProfileWindow(runtime, self.folder.local("profile"), *steps) if traced else None
@@ -233,11 +247,27 @@ class Trainer:
                     metrics = self.evaluate()
                 if checkpoint:
                     self._checkpoint(metrics if evaluate else {})
+                    self._grow_if_room()
                 if self._interrupted(checkpoint):
                     return metrics
                 if p.step >= self.total_steps:
                     break
         return metrics
+
+    def _grow_if_room(self) -> None:
+        """An elastic run below its largest size, at a checkpoint: when the cluster now has room for
+        more workers, the group stops once that checkpoint is stored (:class:`Regrow`) and Ray
+        Train starts it again at the size that fits, from there: a growth loses no work."""
+        growth, p = self.growth, self.progress
+        if growth is None or self.runtime.world_size >= growth.largest or p.step >= self.total_steps:
+            return
+        if self.reporter.room_to_grow(growth.unit):
+            self.reporter.flush()
+            self._message(
+                f"room for more than {self.runtime.world_size} workers: step {p.step} is checkpointed; "
+                "the group restarts larger"
+            )
+            raise Regrow(p.step, self.runtime.world_size)
 
     def _report_final_again(self) -> dict[str, float]:
         """A complete run restarted (a resumed Tune trial whose last report was lost in
@@ -336,6 +366,7 @@ class Trainer:
         self._last_log = (now, step)
         scalars = {f"train/{k}": v for k, v in values.items()}
         scalars.update({"train/lr": lr, "train/epoch": float(self.progress.epoch)})
+        scalars["scaling/workers"] = float(self.runtime.world_size)
         perf = perf_scalars(
             cfg.data.global_batch_size, step_time, self.flops_per_sample, self.tokens_per_sample, self.peak_flops
         )

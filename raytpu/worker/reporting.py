@@ -80,6 +80,14 @@ class Reporter:
         """Whether a node of the run is about to be taken away (the same answer on every rank)."""
         return False
 
+    def room_to_grow(self, workers: int) -> bool:
+        """Whether ``workers`` more workers like this one fit on the cluster's free resources now
+        (the same answer on every rank: rank 0 looks); never outside Ray."""
+        return False
+
+    def flush(self) -> None:
+        """Wait until every checkpoint reported so far is stored where the run resumes from."""
+
 
 def from_rank_zero(value: bool, world: int) -> bool:
     if world > 1:
@@ -213,6 +221,37 @@ class RayReporter(Reporter):
         import ray.train
 
         return ray.train.get_preemption_info() is not None
+
+    def room_to_grow(self, workers: int) -> bool:
+        room = self.rank == 0 and free_for(workers)
+        return from_rank_zero(room, self.world)
+
+    def flush(self, timeout_s: float = 600.0) -> None:
+        """The last checkpoint stored, and its report taken by Ray Train's controller (which then
+        names it the run's latest: a group restarted now resumes from it)."""
+        import time
+
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        self._stored.wait(timeout_s)
+        results = get_train_context().execution_context.result_queue
+        deadline = time.monotonic() + timeout_s
+        while results.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def free_for(workers: int) -> bool:
+    """Whether ``workers`` bundles of this worker's resources fit on the free resources of the
+    cluster's nodes (read on the worker: Ray's per-node availability, this worker's own share)."""
+    import ray
+    from ray._private.state import available_resources_per_node
+
+    from raytpu.runtime.placement import CHECKED, pack
+
+    mine = ray.get_runtime_context().get_assigned_resources()
+    bundle = {name: float(amount) for name, amount in mine.items() if name in CHECKED and amount}
+    nodes = [{name: float(node.get(name, 0.0)) for name in CHECKED} for node in available_resources_per_node().values()]
+    return bool(bundle) and pack([bundle] * workers, nodes)
 
 
 # ------------------------------------------------------------------ a run folder

@@ -35,8 +35,8 @@ class StepClock:
     """Rank 0's clock of one attempt (a worker group's life): the time from its first step to its
     last record, by phase. ``compiled``: the runtime's compile seconds so far (XLA), or None."""
 
-    def __init__(self, folder: RunFolder | None, command: Command, compiled: Any = None) -> None:
-        self.folder, self.command, self.compiled = folder, command, compiled
+    def __init__(self, folder: RunFolder | None, command: Command, compiled: Any = None, workers: int = 1) -> None:
+        self.folder, self.command, self.compiled, self.workers = folder, command, compiled, workers
         self.id = uuid.uuid4().hex[:12]
         self.first_step: float | None = None
         self.seconds = dict.fromkeys((*PHASES, "compilation"), 0.0)
@@ -104,6 +104,7 @@ class StepClock:
             "recorded": now,
             "final": final,
             "steps": len(self.step_times),
+            "workers": self.workers,
             "seconds": {**seconds, "compilation": self.compilation()},
         }
 

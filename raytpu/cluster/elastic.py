@@ -1,0 +1,132 @@
+"""An elastic run on the controller's side: what Ray Train's controller does with a worker range
+(``ScalingConfig(num_workers=(min, max))``), said, recorded and bounded.
+
+Ray Train restarts the worker group at whatever size fits after a failure; raytpu grows it itself,
+at a checkpoint (the workers raise ``raytpu.records.resizes.Regrow`` once the group has stored it
+and the cluster has room for more), so a growth loses no work. :class:`ElasticWatch`, a controller callback (it runs
+in Ray Train's controller actor), then:
+
+* records each change of size, with its cause (``raytpu.records.resizes``): the run's console line,
+  goodput's ``resizing`` time and ``summary.json`` read it;
+* keeps the run's failure budget: a growth or a lost node is what an elastic run is for, and Ray
+  retries them without limit; any other failure counts against ``checkpoint.max_failures`` (and the
+  batch finder's restarts), and past it ends the run with that failure;
+* bounds the wait below the smallest size: a run that cannot get its smallest size back within
+  ``scaling.node_start_timeout_s`` stops, its last checkpoint kept.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError
+from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.controller.state import (
+    InitializingState,
+    ReschedulingState,
+    ResizingState,
+    RestartingState,
+    RunningState,
+    SchedulingState,
+)
+
+from raytpu.errors import RunFailed
+from raytpu.records import resizes
+from raytpu.records.resizes import GROW
+from raytpu.storage.run_folder import RunFolder
+
+
+class ElasticRunFailed(RunFailed):
+    """An elastic run ended by its controller: its failure budget spent, or too long below its size."""
+
+
+def cause_of(error: Any) -> tuple[str, str]:
+    """``(kind, words)`` of the failure that ended a worker group: ``grow`` (a ``Regrow``),
+    ``lost`` (a worker's process or node died), ``starting`` (a group that could not start in
+    time, as when Ray first tries the old size after a loss), else ``failed``."""
+    failures = dict(getattr(error, "worker_failures", None) or {})
+    texts = [str(failure) for failure in failures.values()]
+    if any(GROW in text for text in texts):
+        return "grow", "capacity added"
+    from ray.exceptions import RayActorError
+
+    died = [text for rank, text in zip(failures, texts) if isinstance(failures[rank], RayActorError)]
+    if died:
+        address = re.search(r"\bIP:\s*([\w.:-]+)", " ".join(died)) or re.search(r"ip=([\w.:-]+)", " ".join(died))
+        return "lost", f"node {address.group(1)} lost" if address else "a node lost"
+    controller = getattr(error, "controller_failure", None)
+    if isinstance(controller, (WorkerGroupStartupTimeoutError, WorkerGroupStartupFailedError)):
+        return "starting", "workers could not start"
+    text = str(error).strip()
+    return "failed", text.splitlines()[-1] if text else type(error).__name__
+
+
+class ElasticWatch(ControllerCallback):
+    """The controller callback of an elastic run (module docstring). ``failures_allowed``: other
+    failures the run may retry (-1: any number); ``wait_limit_s``: how long it may stay below
+    ``smallest`` workers."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        command: str,
+        accumulation: dict[int, int],
+        global_batch: int,
+        failures_allowed: int,
+        wait_limit_s: float,
+    ) -> None:
+        self.run_dir, self.command, self.global_batch = run_dir, command, global_batch
+        self.accumulation, self.smallest = accumulation, min(accumulation)
+        self.failures_allowed, self.wait_limit_s = failures_allowed, wait_limit_s
+        self.size = 0  # the size of the group that runs (or ran last)
+        self.scheduled = 0  # the size the controller is starting
+        self.ended: tuple[float, str] | None = None  # when and why the last group ended
+        self.failures = 0
+        self.waiting_since: float | None = None
+
+    def after_controller_state_update(self, previous: Any, current: Any) -> None:
+        if isinstance(current, SchedulingState):
+            self.scheduled = current.scaling_decision.num_workers
+        elif isinstance(current, RunningState) and isinstance(previous, SchedulingState):
+            self._started()
+        elif isinstance(current, ResizingState) and current is not previous:
+            self.ended = (time.time(), "the cluster's capacity changed")
+        elif isinstance(current, (RestartingState, ReschedulingState)) and current is not previous:
+            self._ended(current.training_failed_error)
+        if isinstance(current, (InitializingState, RestartingState, ReschedulingState)):
+            self._check_wait()
+
+    def _started(self) -> None:
+        """A group of ``scheduled`` workers runs: a change of size is recorded and said in one line."""
+        if self.size and self.scheduled != self.size:
+            ended, reason = self.ended or (time.time(), "the cluster's capacity changed")
+            change = resizes.add(RunFolder(self.run_dir), ended, self.size, self.scheduled, reason, self.command)
+            steps = (self.accumulation.get(self.size, 0), self.accumulation.get(self.scheduled, 0))
+            print(f"raytpu: {resizes.line(change, self.global_batch, steps)}", flush=True)
+        self.size, self.ended, self.waiting_since = self.scheduled, None, None
+
+    def _ended(self, error: Any) -> None:
+        kind, reason = cause_of(error)
+        if kind != "starting":
+            self.ended = (time.time(), reason)
+        if kind == "failed":
+            self.failures += 1
+            if 0 <= self.failures_allowed < self.failures:
+                text = str(error).strip()
+                raise ElasticRunFailed(
+                    f"{text}\n{reason} (failure {self.failures}; checkpoint.max_failures allows "
+                    f"{self.failures_allowed} besides lost nodes and growths)"
+                )
+
+    def _check_wait(self) -> None:
+        now = time.time()
+        self.waiting_since = self.waiting_since or now
+        if now - self.waiting_since > self.wait_limit_s:
+            after = f" after {self.ended[1]}" if self.ended else ""
+            raise ElasticRunFailed(
+                f"fewer than {self.smallest} worker(s) fit for {self.wait_limit_s:g} s{after} "
+                "(scaling.node_start_timeout_s): the run's last checkpoint is kept; run the same command again "
+                "to resume once the cluster has room, or lower the range's smallest size"
+            )
