@@ -61,7 +61,8 @@ def test_commands_and_attempts_add_up_to_the_wall_time_with_restarts_lost():
     result = goodput.breakdown(record)
     categories = result["categories"]
     assert categories == {"startup": 15.0, "compilation": 3.0, "productive": 15 + 29 + 16, "input": 2.0,
-                          "evaluation": 4.0, "checkpointing": 1.0, "lost": 10 + 5, "resizing": 0.0, "shutdown": 5.0}  # fmt: skip
+                          "evaluation": 4.0, "checkpointing": 1.0, "lost": 10 + 5, "resizing": 0.0,
+                          "shutdown": 5.0}  # fmt: skip
     assert result["wall_s"] == 75 + 30 and result["goodput"] == pytest.approx(60 / 105)
     assert goodput.summary_line({**record, **result}).startswith("57.1% of 105.0 s (startup 15.0 s, compilation 3.0")
 
