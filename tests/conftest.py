@@ -51,6 +51,7 @@ LONGEST_FIRST = (
     "test_cdeit_learning.py",
     "test_xla.py",
     "test_sharding.py",
+    "test_elastic_cluster.py",
     "test_tracking.py",
     "test_integration_ray.py",
     "test_fake_tpu_cluster.py",

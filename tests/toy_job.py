@@ -36,6 +36,7 @@ class ToyConfig(JobConfig):
     constant_metric: float = -1.0  # evaluations report this mse (>= 0): a tie between checkpoints
     item_sleep: float = 0.0  # seconds each sample takes to load (the loop waits for input)
     checkpoint_sleep: float = 0.0  # seconds the model's state_dict takes (a slow checkpoint write)
+    seen_dir: str = ""  # each training process appends its micro-batches' sample indices here (step, epoch)
 
 
 #: the out-of-memory errors a toy step raises, as each runtime raises them
@@ -137,6 +138,11 @@ class ToyJob(Job):
             raise RuntimeError(f"fault injected by job.fail_at_step={ctx.config.job.fail_at_step}")
         if ctx.config.job.pid_dir:
             Path(ctx.config.job.pid_dir, str(os.getpid())).touch()
+        if ctx.config.job.seen_dir:
+            seen = {"pid": os.getpid(), "attempt": ATTEMPT, "time": time.time(), "step": ctx.step + 1,
+                    "epoch": ctx.epoch, "index": batch["index"].tolist()}  # fmt: skip
+            with open(Path(ctx.config.job.seen_dir, f"{os.getpid()}.jsonl"), "a") as out:
+                out.write(json.dumps(seen) + "\n")
         time.sleep(ctx.config.job.step_sleep)
         x, y = batch["x"], batch["y"]
         self.maybe_out_of_memory(ctx.config.job, len(x))
@@ -162,5 +168,8 @@ class ToyJob(Job):
     def finish_eval(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         return {"mse": float(totals["sse"] / totals["count"])}
 
+
+#: this process's attempt (a group's life): its world size and start, the same on every rank
+ATTEMPT = f"{os.environ.get('WORLD_SIZE', '1')}-{os.environ.get('MASTER_PORT', '')}"
 
 JOB = ToyJob()

@@ -21,7 +21,12 @@ import re
 import time
 from typing import Any
 
-from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError
+from ray.train.v2._internal.exceptions import (
+    WorkerGroupStartupFailedError,
+    WorkerGroupStartupTimeoutError,
+    WorkerHealthCheckFailedError,
+    WorkerHealthCheckTimeoutError,
+)
 from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.execution.controller.state import (
     InitializingState,
@@ -36,6 +41,9 @@ from raytpu.errors import RunFailed
 from raytpu.records import resizes
 from raytpu.records.resizes import GROW
 from raytpu.storage.run_folder import RunFolder
+
+#: what Ray says of a worker whose process or node went away
+DIED = re.compile(r"actor died|node has died|health check failed", re.IGNORECASE)
 
 
 class ElasticRunFailed(RunFailed):
@@ -52,9 +60,10 @@ def cause_of(error: Any) -> tuple[str, str]:
         return "grow", "capacity added"
     from ray.exceptions import RayActorError
 
-    died = [text for rank, text in zip(failures, texts) if isinstance(failures[rank], RayActorError)]
+    gone = (RayActorError, WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError)
+    died = [text for rank, text in zip(failures, texts) if isinstance(failures[rank], gone) or DIED.search(text)]
     if died:
-        address = re.search(r"\bIP:\s*([\w.:-]+)", " ".join(died)) or re.search(r"ip=([\w.:-]+)", " ".join(died))
+        address = re.search(r"\bip[:=]\s*'?([\d.]+)", " ".join(died), re.IGNORECASE)
         return "lost", f"node {address.group(1)} lost" if address else "a node lost"
     controller = getattr(error, "controller_failure", None)
     if isinstance(controller, (WorkerGroupStartupTimeoutError, WorkerGroupStartupFailedError)):
@@ -85,6 +94,10 @@ class ElasticWatch(ControllerCallback):
         self.ended: tuple[float, str] | None = None  # when and why the last group ended
         self.failures = 0
         self.waiting_since: float | None = None
+        self.requester = ""  # the run's name with Ray's autoscaling coordinator (Ray Train's own)
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        self.requester = f"train-{train_run_context.run_id}"
 
     def after_controller_state_update(self, previous: Any, current: Any) -> None:
         if isinstance(current, SchedulingState):
@@ -111,6 +124,8 @@ class ElasticWatch(ControllerCallback):
         kind, reason = cause_of(error)
         if kind != "starting":
             self.ended = (time.time(), reason)
+        if kind in ("lost", "grow"):
+            self._look_again()
         if kind == "failed":
             self.failures += 1
             if 0 <= self.failures_allowed < self.failures:
@@ -119,6 +134,22 @@ class ElasticWatch(ControllerCallback):
                     f"{text}\n{reason} (failure {self.failures}; checkpoint.max_failures allows "
                     f"{self.failures_allowed} besides lost nodes and growths)"
                 )
+
+    def _look_again(self) -> None:
+        """Have Ray's autoscaling coordinator, whose view of the cluster Ray Train sizes the group
+        from, look at the nodes now: it looks every 20 s, and a stale view restarts the group at its
+        old size (a lost node's workers wait out ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, 60 s)
+        or misses the capacity a growth was for. Best effort: Ray's own view takes over on failure."""
+        import ray
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+
+        try:
+            coordinator = get_or_create_autoscaling_coordinator()
+            ray.get(coordinator.get_reserved_resources.remote(self.requester, recompute=True), timeout=30)
+        except Exception:  # the coordinator busy or gone: Ray Train decides on its next look
+            return
 
     def _check_wait(self) -> None:
         now = time.time()
