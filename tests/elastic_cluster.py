@@ -1,16 +1,18 @@
-"""Elastic runs on a Ray cluster of several nodes on this machine, a node taken away mid-run and one
-given back: ``python -m tests.elastic_cluster OUT VARIANT [VARIANT ...]``, run by
+"""Runs on a Ray cluster of several nodes on this machine, with capacity taken away and given back:
+``python -m tests.elastic_cluster OUT VARIANT [VARIANT ...]``, run by
 ``tests/test_elastic_cluster.py`` in a PID namespace of its own (``unshare -fp --mount-proc``), so
-that what this cluster starts ends with it and never touches the test session's Ray.
+that what this cluster starts ends with it and never touches the test session's Ray; and by
+``bench/elastic.py``.
 
 The cluster (``ray.cluster_utils.Cluster``): a head with no CPU for workers and two nodes of one
-CPU each. Each variant (``ddp``, ``fsdp``) is ``raytpu train`` of the toy job with
-``scaling.num_workers=1:2``, started as a user would, from a subprocess: once its first checkpoint
-is written, one node is removed (the run goes on with one worker, the global batch kept); once the
-run says so, a node is added back (the run grows to two at its next checkpoint). Ray Train retries
-the old size first and gives a group that cannot start ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``
-(15 s here; 60 s by default). Prints one JSON line: for each variant its exit code, output,
-seconds, and when the node was removed and added (``Cluster.add_node`` must run on the main
+CPU each. Each variant is ``raytpu train`` of the toy job, started as a user would, from a
+subprocess, each of its steps recorded by the job (``job.seen_dir``: the samples, when, by which
+attempt). ``ddp`` and ``fsdp`` run ``scaling.num_workers=1:2``: once the first checkpoint is
+written one node is removed (the run goes on with one worker, the global batch kept), and once the
+run says so a node is added back (it grows to two at its next checkpoint). ``fixed`` runs two
+workers and one failure allowed, and one worker's process is killed after the first checkpoint:
+the restart of a fixed-size run, for comparison. Prints one JSON line: each variant's exit code,
+output, seconds, and when each disruption happened (``Cluster.add_node`` must run on the main
 thread: this process's).
 """
 
@@ -18,31 +20,63 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 #: 64 samples, a global batch of 8: 8 steps an epoch, 6 epochs; a checkpoint every 4 steps
-COMMON = ["scaling.num_workers=1:2", "data.global_batch_size=8", "loop.epochs=6", "checkpoint.every_steps=4",
-          "loop.log_every=4", "job.step_sleep=0.15", "logging.progress_bar=false", "checkpoint.num_to_keep=20",
+COMMON = ["data.global_batch_size=8", "loop.epochs=6", "checkpoint.every_steps=4", "loop.log_every=4",
+          "job.step_sleep=0.15", "logging.progress_bar=false", "checkpoint.num_to_keep=20",
           "scaling.node_start_timeout_s=120"]  # fmt: skip
-VARIANTS = {"ddp": [], "fsdp": ["--fsdp", "full_shard"]}
+ELASTIC = ["scaling.num_workers=1:2"]
+VARIANTS = {
+    "ddp": ELASTIC,
+    "fsdp": [*ELASTIC, "--fsdp", "full_shard"],
+    "fixed": ["scaling.num_workers=2", "checkpoint.max_failures=1"],
+}
 
 
-def wait_for(check: Any, timeout: float, what: str) -> None:
+def wait_for(check: Callable[[], Any], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
             raise TimeoutError(what)
-        time.sleep(0.1)
+        time.sleep(0.05)
+
+
+def seen_records(seen: Path) -> list[dict[str, Any]]:
+    """Every micro-batch the toy job recorded: its step, epoch, samples, time, process and attempt."""
+    return [json.loads(line) for path in seen.glob("*.jsonl") for line in path.read_text().splitlines()]
+
+
+def lose_and_regain(cluster: Any, run_dir: Path, seen: Path, driver: subprocess.Popen) -> dict[str, float]:
+    """After the first checkpoint a node goes; once the run has said so, one comes back."""
+    victim = next(node for node in cluster.worker_nodes if node is not cluster.head_node)
+    cluster.remove_node(victim)
+    removed = time.time()
+    wait_for(lambda: (run_dir / "resizes.json").is_file() or driver.poll() is not None, 240, "a run of one")
+    cluster.add_node(num_cpus=1)
+    return {"removed_at": removed, "added_at": time.time()}
+
+
+def kill_a_worker(cluster: Any, run_dir: Path, seen: Path, driver: subprocess.Popen) -> dict[str, float]:
+    """After the first checkpoint one worker's process is killed."""
+    os.kill(max(int(path.stem) for path in seen.glob("*.jsonl")), signal.SIGKILL)
+    return {"killed_at": time.time()}
+
+
+DISRUPTIONS = {"ddp": lose_and_regain, "fsdp": lose_and_regain, "fixed": kill_a_worker}
 
 
 def run_variant(cluster: Any, out: Path, variant: str) -> dict[str, Any]:
-    """One elastic run through a node's loss and its return; what happened."""
+    """One run through its disruption; what happened."""
     runs, seen = out / "results", out / f"seen-{variant}"
     seen.mkdir(parents=True)
     config = out / "toy.yaml"
@@ -61,12 +95,7 @@ def run_variant(cluster: Any, out: Path, variant: str) -> dict[str, Any]:
     report: dict[str, Any] = {"run_dir": str(run_dir), "seen": str(seen)}
     try:
         wait_for(lambda: (run_dir / "checkpoint_00000004" / "meta.json").is_file(), 240, "the first checkpoint")
-        victim = next(node for node in cluster.worker_nodes if node is not cluster.head_node)
-        cluster.remove_node(victim)
-        report["removed_at"] = time.time()
-        wait_for(lambda: (run_dir / "resizes.json").is_file() or driver.poll() is not None, 240, "a run of 1")
-        cluster.add_node(num_cpus=1)
-        report["added_at"] = time.time()
+        report.update(DISRUPTIONS[variant](cluster, run_dir, seen, driver))
         driver.wait(timeout=400)
     finally:
         if driver.poll() is None:
@@ -77,16 +106,43 @@ def run_variant(cluster: Any, out: Path, variant: str) -> dict[str, Any]:
     return report
 
 
-def main(out: Path, variants: list[str]) -> None:
+def kept_steps(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Each step as the run kept it: the micro-batches of the last attempt that ran it (steps after a
+    lost group's last checkpoint are run again by the next)."""
+    by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for record in records:
+        by_step[record["step"]].append(record)
+    kept = {}
+    for step, found in by_step.items():
+        last = max(found, key=lambda record: record["time"])["attempt"]
+        kept[step] = [record for record in found if record["attempt"] == last]
+    return kept
+
+
+def after(records: list[dict[str, Any]], moment: float) -> tuple[float, int]:
+    """``(seconds to the first step after moment, steps run again)``: how long the run stood still
+    after a disruption, and the work it lost (steps an earlier attempt ran that a later ran again)."""
+    first = min(record["time"] for record in records if record["time"] > moment)
+    attempts = defaultdict(set)
+    for record in records:
+        attempts[record["step"]].add(record["attempt"])
+    return first - moment, sum(len(seen) > 1 for seen in attempts.values())
+
+
+def start_cluster() -> Any:
     from ray.cluster_utils import Cluster
 
-    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "15"  # the controller's, on the nodes below
     os.environ.pop("RAY_ADDRESS", None)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # its dashboard: Ray Train's state API
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def main(out: Path, variants: list[str]) -> None:
+    cluster = start_cluster()
     try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
         report = {variant: run_variant(cluster, out, variant) for variant in variants}
     finally:
         cluster.shutdown()

@@ -24,6 +24,7 @@ from raytpu.runtime import make_runtime
 from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter
 from tests.conftest import ROOT
+from tests.elastic_cluster import kept_steps, seen_records
 
 pytestmark = pytest.mark.integration
 
@@ -50,8 +51,7 @@ def runs() -> dict[str, Any]:
             run_dir = Path(found["run_dir"])
             found["summary"] = json.loads((run_dir / "summary.json").read_text())
             found["metas"] = [json.loads(p.read_text()) for p in sorted(run_dir.glob("checkpoint_*/meta.json"))]
-            found["seen"] = [json.loads(line) for path in Path(found["seen"]).glob("*.jsonl")
-                             for line in path.read_text().splitlines()]  # fmt: skip
+            found["seen"] = seen_records(Path(found["seen"]))
         return report
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -81,17 +81,13 @@ def test_a_node_lost_then_given_back_the_run_shrinks_grows_and_ends(runs, varian
 def test_every_sample_of_every_epoch_once_with_the_global_batch_at_every_size(runs, variant):
     """Each step as the run kept it (the last attempt that ran it: work after a lost node's last
     checkpoint is redone) trains on 8 samples, and each epoch's steps on the 64 samples once."""
-    by_step: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    for record in runs[variant]["seen"]:
-        by_step[record["step"]][record["pid"]].append(record)
     epochs: dict[int, list[int]] = defaultdict(list)
-    for step in range(1, 49):
-        attempts = by_step[step]
-        last = max(attempts.values(), key=lambda records: max(r["time"] for r in records))
-        kept = [r for records in attempts.values() for r in records if r["attempt"] == last[0]["attempt"]]
-        indices = [index for record in kept for index in record["index"]]
-        assert len(indices) == 8, (step, kept)
-        epochs[kept[0]["epoch"]] += indices
+    kept = kept_steps(runs[variant]["seen"])
+    assert sorted(kept) == list(range(1, 49))
+    for step, records in kept.items():
+        indices = [index for record in records for index in record["index"]]
+        assert len(indices) == 8, (step, records)
+        epochs[records[0]["epoch"]] += indices
     assert sorted(epochs) == list(range(6))
     for epoch, indices in epochs.items():
         assert sorted(indices) == list(range(64)), epoch
