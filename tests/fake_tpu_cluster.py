@@ -11,6 +11,10 @@ For both layouts the driver builds the trainer exactly as ``raytpu train`` does
 config) and runs a tiny train function with the same scaling and backend: each worker writes
 its node, labels and Ray's TPU chip ids to ``OUT/<layout>/rank_<r>.json``, and in the per-chip
 layout also the PJRT environment raytpu's ``configure_chip_process`` sets. No XLA is run.
+
+Then an elastic run over whole slices (``scaling.tpu.slices=1:2``, spmd: 2 to 4 workers), with
+raytpu's run config (its controller callback): once its group spans both slices, a host of one
+slice is removed, and the group restarts on the one whole slice left.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-POD_TYPE, TOPOLOGY, ACCELERATOR, CHIPS_PER_HOST = "v4-16", "2x2x2", "TPU-V4", 4
+POD_TYPE, TOPOLOGY, ACCELERATOR, CHIPS_PER_HOST, HOSTS_PER_SLICE = "v4-16", "2x2x2", "TPU-V4", 4, 2
 SLICES = ("slice-a", "slice-b")
 LAYOUT_WORKERS = {"spmd": 2, "multiprocess": 8}
 
@@ -108,6 +113,58 @@ def run_layout(layout: str, out: Path) -> None:
     probe.fit()
 
 
+def elastic_probe(config: dict[str, Any]) -> None:
+    """Train function of the elastic run: each worker records its attempt's size and slice; a
+    group of both slices waits until a host is taken away (its group then fails and restarts)."""
+    import ray
+    import ray.train
+
+    context = ray.train.get_context()
+    labels = ray.get_runtime_context().get_node_labels()
+    record = {"rank": context.get_world_rank(), "world": context.get_world_size(), "labels": labels}
+    out = Path(config["out"])
+    (out / f"world{record['world']}_rank{record['rank']}.json").write_text(json.dumps(record))
+    if record["world"] > HOSTS_PER_SLICE:
+        time.sleep(300)  # the test removes a host of slice-b meanwhile
+
+
+def run_elastic(cluster: Any, hosts: dict[tuple[str, int], Any], out: Path) -> None:
+    """``scaling.tpu.slices=1:2`` over the two slices (spmd: 2 to 4 workers); once the group of both
+    slices runs, a host of slice-b goes: the group restarts on the one whole slice left."""
+    import threading
+
+    from ray.train.torch import TorchTrainer
+
+    from raytpu.config import load_config, to_dict, with_values
+    from raytpu.config.plan import Facts, make_plan
+    from raytpu.driver.ray_trainer import build_trainer
+
+    slices = ["runtime=xla", f"scaling.tpu.accelerator_type={ACCELERATOR}", f"scaling.tpu.topology={TOPOLOGY}"]
+    words = [*slices, "scaling.tpu.slices=1:2", f"run.storage_path={out / 'results'}", "data.global_batch_size=16"]
+    cfg, _ = load_config("jobs/mshnet/small.yaml", words)
+    plan = make_plan(with_values(cfg, {"run.name": "fake-tpu-elastic"}), Facts(mode="train", data_root=str(out)))
+    records = out / "elastic"
+    records.mkdir(parents=True)
+    planned = {"notes": plan.notes, "scaling": to_dict(plan.config)["scaling"]}
+    (out / "elastic_plan.json").write_text(json.dumps(planned))
+    raytpu_trainer = build_trainer(plan)
+    probe = TorchTrainer(
+        elastic_probe,
+        train_loop_config={"out": str(records)},
+        scaling_config=raytpu_trainer.scaling_config,
+        torch_config=raytpu_trainer.backend_config,
+        run_config=raytpu_trainer.run_config,  # raytpu's: the elastic watch, retries without limit
+    )
+    done = threading.Event()
+    threading.Thread(target=lambda: (probe.fit(), done.set()), daemon=True).start()
+    deadline = time.monotonic() + 240
+    while len(list(records.glob(f"world{2 * HOSTS_PER_SLICE}_rank*.json"))) < 2 * HOSTS_PER_SLICE:
+        assert time.monotonic() < deadline, "no group of both slices"
+        time.sleep(0.2)
+    cluster.remove_node(hosts[("slice-b", 1)])  # on the main thread, as Cluster wants it
+    assert done.wait(240), "the run did not end on one slice"
+
+
 def main(out: Path) -> None:
     import ray
     from ray.cluster_utils import Cluster
@@ -115,15 +172,17 @@ def main(out: Path) -> None:
     # no dashboard: nothing here reads it, and its processes cost 8 of this run's 80 s of CPU
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
+        hosts = {}
         for slice_name in SLICES:
             for worker_id in range(2):
-                cluster.add_node(**tpu_host(slice_name, worker_id))
+                hosts[(slice_name, worker_id)] = cluster.add_node(**tpu_host(slice_name, worker_id))
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         nodes = {n["NodeID"]: n.get("Labels", {}) for n in ray.nodes() if n["Alive"]}
         (out / "nodes.json").write_text(json.dumps(nodes))
         for layout in LAYOUT_WORKERS:
             run_layout(layout, out)
+        run_elastic(cluster, hosts, out)
     finally:
         ray.shutdown()
         cluster.shutdown()

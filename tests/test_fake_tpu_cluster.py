@@ -24,6 +24,11 @@ def placements(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     done = run_python(["-m", "tests.fake_tpu_cluster", str(out)], env={"RAY_ADDRESS": ""}, timeout=400)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     layouts = {}
+    layouts["elastic"] = {
+        "plan": json.loads((out / "elastic_plan.json").read_text()),
+        "records": [json.loads(p.read_text()) for p in sorted((out / "elastic").glob("world*_rank*.json"))],
+        "resizes": json.loads((out / "results" / "fake-tpu-elastic" / "resizes.json").read_text()),
+    }
     for layout in ("spmd", "multiprocess"):
         records = [json.loads(p.read_text()) for p in sorted((out / layout).glob("rank_*.json"))]
         layouts[layout] = sorted(records, key=lambda r: r["rank"])
@@ -92,3 +97,19 @@ def test_multiprocess_task_ids_follow_the_tpu_worker_id(placements: dict[str, An
         assert all(len(e["TPU_PROCESS_ADDRESSES"].split(",")) == 8 for e in envs)
         task_ids += [int(e["CLOUD_TPU_TASK_ID"]) for e in envs]
     assert sorted(task_ids) == list(range(8))
+
+
+def test_an_elastic_range_of_slices_loses_a_slice_and_goes_on_with_the_whole_one(placements: dict[str, Any]) -> None:
+    """``scaling.tpu.slices=1:2``: the plan asks Ray for 2 to 4 spmd workers (whole slices), the group
+    spans both slices, and once a host of slice-b goes it restarts on slice-a alone (never on the
+    broken slice's surviving host), the change recorded."""
+    elastic = placements["elastic"]
+    scaling = elastic["plan"]["scaling"]
+    assert (scaling["min_workers"], scaling["num_workers"]) == (2, 4)
+    assert any(note.startswith("elastic, 2 to 4 workers: 4 x 4 per worker; 2 x 4 per worker x 2 accumulation")
+               for note in elastic["plan"]["notes"]), elastic["plan"]["notes"]  # fmt: skip
+    sizes = {(r["world"], r["labels"]["ray.io/tpu-slice-name"]) for r in elastic["records"]}
+    assert {world for world, _ in sizes} == {4, 2}
+    assert {name for world, name in sizes if world == 4} == {"slice-a", "slice-b"}
+    assert {name for world, name in sizes if world == 2} == {"slice-a"}
+    assert [(c["from"], c["to"]) for c in elastic["resizes"]] == [(4, 2)] and "lost" in elastic["resizes"][0]["reason"]

@@ -45,10 +45,11 @@ def placed_bundles(overrides: list[str], offer: ClusterOffer) -> tuple[list[dict
 
 def test_cluster_yaml_node_types_are_read_with_their_hosts() -> None:
     types = {t.name: t for t in cluster_yaml_types()}
-    assert set(types) == {"tpu_v5e_8", "tpu_v5e_16_slice", "gpu_t4"}
+    assert set(types) == {"tpu_v5e_8", "tpu_v5e_16_slice", "gpu_t4", "gpu_t4_spot"}
     assert (types["tpu_v5e_8"].resources["TPU"], types["tpu_v5e_8"].hosts) == (8, 1)
     assert (types["tpu_v5e_16_slice"].resources["TPU"], types["tpu_v5e_16_slice"].hosts) == (4, 4)
     assert types["gpu_t4"].resources["GPU"] == 1 and types["gpu_t4"].max_count == 2
+    assert types["gpu_t4_spot"].max_count == 4  # the spot GPUs of an elastic run
 
 
 def test_auto_looks_at_the_node_types_the_autoscaler_can_start() -> None:
