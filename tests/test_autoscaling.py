@@ -34,7 +34,8 @@ def run_cluster(scenario: str, env: dict[str, str]) -> dict[str, Any]:
         done = subprocess.run(
             ["unshare", "-fp", "--mount-proc", sys.executable, "-m", "tests.autoscaling_cluster", out, scenario],
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+            # PJRT_DEVICE=CPU (the XLA tests' in this process) would opt the cluster's xla runs into the CPU
+            env={**{k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}, "PYTHONPATH": str(ROOT), **env},
             capture_output=True,
             text=True,
             timeout=600,

@@ -182,6 +182,7 @@ def test_a_tracking_server_lost_mid_run_is_a_warning_and_the_run_finishes(tmp_pa
     class StopTheServer(Callback):
         def on_step_end(self, trainer, step: int) -> None:
             if step == 6:
+                trainer.logger.drain_trackers()  # the tracker's run opened (on its own thread) and fed so far
                 lost.stop()
 
     try:

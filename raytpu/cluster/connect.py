@@ -384,8 +384,10 @@ def quiet_train_controller() -> None:
     logger.addFilter(lambda record: not record.getMessage().startswith("Error in control loop iteration"))
     # an elastic run's end, said by raytpu's controller callback (raytpu.cluster.elastic): one line on the driver
     logging.getLogger("ray.train.v2._internal.execution.callback_manager").addFilter(without_traceback)
-    # a lost node's workers cannot shut their process group down: Ray says it expects that, with a traceback
-    logging.getLogger("ray.train.v2._internal.callbacks.backend_setup").addFilter(lambda record: False)
+    # a lost node's workers cannot shut their process group down, nor its placement-group cleaner stop:
+    # Ray says it expects that, with a traceback each
+    for name in ("backend_setup", "placement_group_callback"):
+        logging.getLogger(f"ray.train.v2._internal.callbacks.{name}").addFilter(lambda record: False)
     logging.getLogger(AUTOSCALING_CLIENT).addFilter(without_traceback)
 
 
