@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 #: 64 samples, a global batch of 8: 8 steps an epoch, 6 epochs; a checkpoint every 4 steps
 COMMON = ["data.global_batch_size=8", "loop.epochs=6", "checkpoint.every_steps=4", "loop.log_every=4",
-          "job.step_sleep=0.15", "logging.progress_bar=false", "checkpoint.num_to_keep=20",
+          "job.step_sleep=0.05", "logging.progress_bar=false", "checkpoint.num_to_keep=20",
           "scaling.node_start_timeout_s=120"]  # fmt: skip
 ELASTIC = ["scaling.num_workers=1:2"]
 VARIANTS = {

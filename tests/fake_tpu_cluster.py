@@ -6,7 +6,7 @@ The cluster is a CPU head and two v4-16 slices (2 hosts x 4 chips each), each ho
 ``TPU`` (chips), ``accelerator_type:TPU-V4``, ``TPU-v4-16-head`` on host 0, the
 ``ray.io/tpu-*`` labels, and the ``TPU_*`` variables Ray reads its slice name and worker id from.
 
-For both layouts the driver builds the trainer exactly as ``raytpu train`` does
+For the per-chip layout the driver builds the trainer exactly as ``raytpu train`` does
 (``raytpu.driver.ray_trainer.build_trainer``: ``ScalingConfig(**scaling_kwargs(cfg))`` and raytpu's torch
 config) and runs a tiny train function with the same scaling and backend: each worker writes
 its node, labels and Ray's TPU chip ids to ``OUT/<layout>/rank_<r>.json``, and in the per-chip
@@ -14,7 +14,8 @@ layout also the PJRT environment raytpu's ``configure_chip_process`` sets. No XL
 
 Then an elastic run over whole slices (``scaling.tpu.slices=1:2``, spmd: 2 to 4 workers), with
 raytpu's run config (its controller callback): once its group spans both slices, a host of one
-slice is removed, and the group restarts on the one whole slice left.
+slice is removed, and the group restarts on the one whole slice left: its workers are the spmd
+layout's placement of one slice.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 POD_TYPE, TOPOLOGY, ACCELERATOR, CHIPS_PER_HOST, HOSTS_PER_SLICE = "v4-16", "2x2x2", "TPU-V4", 4, 2
 SLICES = ("slice-a", "slice-b")
-LAYOUT_WORKERS = {"spmd": 2, "multiprocess": 8}
+LAYOUT_WORKERS = {"multiprocess": 8}  # spmd: the elastic run's group of one slice (run_elastic)
 
 
 def tpu_host(slice_name: str, worker_id: int) -> dict[str, Any]:
@@ -54,21 +55,27 @@ def tpu_host(slice_name: str, worker_id: int) -> dict[str, Any]:
     }
 
 
-def where_am_i(config: dict[str, Any]) -> None:
-    """Train function: record this worker's placement (no torch_xla import, no device)."""
+def placement() -> dict[str, Any]:
+    """Where this worker runs: its rank, node, labels and Ray's TPU chips (no torch_xla, no device)."""
     import ray
     import ray.train
 
     context = ray.train.get_context()
     runtime = ray.get_runtime_context()
-    record = {
+    return {
         "rank": context.get_world_rank(),
+        "world": context.get_world_size(),
         "node_id": runtime.get_node_id(),
         "labels": runtime.get_node_labels(),
         "tpu_ids": runtime.get_accelerator_ids().get("TPU", []),
         "tpu_visible_chips": os.environ.get("TPU_VISIBLE_CHIPS"),
         "accelerate_device": os.environ.get("ACCELERATE_TORCH_DEVICE"),
     }
+
+
+def where_am_i(config: dict[str, Any]) -> None:
+    """Train function: record this worker's placement."""
+    record = placement()
     if config["layout"] == "multiprocess":  # raytpu's own per-chip setup: the env torch_xla would read
         from raytpu.config import from_dict
         from raytpu.worker.entry import configure_chip_process
@@ -116,12 +123,7 @@ def run_layout(layout: str, out: Path) -> None:
 def elastic_probe(config: dict[str, Any]) -> None:
     """Train function of the elastic run: each worker records its attempt's size and slice; a
     group of both slices waits until a host is taken away (its group then fails and restarts)."""
-    import ray
-    import ray.train
-
-    context = ray.train.get_context()
-    labels = ray.get_runtime_context().get_node_labels()
-    record = {"rank": context.get_world_rank(), "world": context.get_world_size(), "labels": labels}
+    record = placement()
     out = Path(config["out"])
     (out / f"world{record['world']}_rank{record['rank']}.json").write_text(json.dumps(record))
     if record["world"] > HOSTS_PER_SLICE:

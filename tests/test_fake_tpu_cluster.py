@@ -29,9 +29,10 @@ def placements(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "records": [json.loads(p.read_text()) for p in sorted((out / "elastic").glob("world*_rank*.json"))],
         "resizes": json.loads((out / "results" / "fake-tpu-elastic" / "resizes.json").read_text()),
     }
-    for layout in ("spmd", "multiprocess"):
-        records = [json.loads(p.read_text()) for p in sorted((out / layout).glob("rank_*.json"))]
-        layouts[layout] = sorted(records, key=lambda r: r["rank"])
+    # spmd on one slice: the elastic run's group once a slice is gone
+    layouts["spmd"] = sorted((r for r in layouts["elastic"]["records"] if r["world"] == 2), key=lambda r: r["rank"])
+    records = [json.loads(p.read_text()) for p in sorted((out / "multiprocess").glob("rank_*.json"))]
+    layouts["multiprocess"] = sorted(records, key=lambda r: r["rank"])
     return {"nodes": json.loads((out / "nodes.json").read_text()), **layouts}
 
 
