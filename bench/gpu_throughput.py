@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.loop_overhead import raytpu_loop, synchronize  # noqa: E402
 from raytpu.config import load_config, with_values  # noqa: E402
 from raytpu.config.memory import estimate_run  # noqa: E402
-from raytpu.runtime.base import compiles, local_gpu_has_bf16, resolve_precision  # noqa: E402
-from raytpu.runtime.peaks import gpu_peak_flops  # noqa: E402
+from raytpu.runtime.base import gpu_peak_flops, local_gpu_has_bf16  # noqa: E402
+from raytpu.runtime.kinds import compiles, resolve_precision  # noqa: E402
 
 CONFIG = "jobs/causal_lm/small.yaml"
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 __version__ = "0.1.0"
+
+#: TorchTPU, where it is installed, loads its TPU backend on every ``import torch`` (seconds, log lines,
+#: and nothing to load on a machine without TPU chips): raytpu's driver never touches a device, and a
+#: torch_tpu worker loads it itself (``raytpu.runtime.torch_tpu``); set to 1 to keep the autoload
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 
 def report(metrics: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ if ! .venv/bin/python -c "import raytpu, ray" 2>/dev/null || [ ! -e "$marker" ] 
     .venv/bin/python -m pip install --quiet -e ".[$EXTRAS]"
     touch "$marker"
 fi
-.venv/bin/python - <<'PY'
+TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv/bin/python - <<'PY'
 import importlib.util
 
 import ray
@@ -28,5 +28,9 @@ if importlib.util.find_spec("torch_xla"):
 
     assert torch.__version__.split("+")[0] == torch_xla.__version__.split("+")[0], (torch.__version__, torch_xla.__version__)
     found += f", torch_xla {torch_xla.__version__}"
+if importlib.util.find_spec("torch_tpu"):
+    from importlib.metadata import version
+
+    found += f", torch_tpu {version('torch-tpu')}"
 print(f"raytpu environment ready: {found}")
 PY

@@ -239,6 +239,15 @@ def tpu_scenario(out: Path) -> dict[str, Any]:
     report["types_launched"] = sorted(watch.seen)
     report["workers"] = [{**w, "node_type": watch.types_of.get(w["node_id"])} for w in train_workers(head.dashboard)]
     report["runtime_env"] = submitted_runtime_env(head)
+    # TorchTPU on the TPU node: a worker on a chip, over tpu_dist, which the fake node (no torch_tpu) refuses
+    asked = [*train, "scaling.runtime=torch_tpu", f"run.storage_path={out / 'results'}"]
+    report["torch_tpu"] = raytpu(asked, head.env, timeout=300)
+    earlier = {w["actor_id"] for w in report["workers"]}
+    report["torch_tpu_workers"] = [
+        {**w, "node_type": watch.types_of.get(w["node_id"])}
+        for w in train_workers(head.dashboard)
+        if w["actor_id"] not in earlier
+    ]
     report["released_after_s"] = watch.wait_until_gone("tpu_v5e_8", timeout=120)
     watch.stop()
     return report
@@ -259,6 +268,7 @@ def gpu_scenario(out: Path) -> dict[str, Any]:
     report["released_after_s"] = watch.wait_until_gone("gpu_t4", timeout=120)
     report["gives_up"] = raytpu([*train, "scaling.node_start_timeout_s=0.5"], head.env)
     report["xla_without_tpu"] = raytpu([*train, "scaling.runtime=xla"], head.env, timeout=120)
+    report["torch_tpu_without_tpu"] = raytpu([*train, "scaling.runtime=torch_tpu"], head.env, timeout=120)
     report["doctor"] = raytpu(["doctor", "--json", "--timeout", "120", "--address", head.dashboard], head.env)
     watch.stop()
     return report
@@ -270,7 +280,7 @@ def train_workers(dashboard: str) -> list[dict[str, Any]]:
 
     workers = [("class_name", "=", "RayTrainWorker")]
     actors = list_actors(address=dashboard, filters=workers, detail=True, raise_on_missing_output=False)
-    return [{"node_id": actor.node_id, "state": actor.state} for actor in actors]
+    return [{"actor_id": actor.actor_id, "node_id": actor.node_id, "state": actor.state} for actor in actors]
 
 
 def submitted_runtime_env(head: Head) -> list[Any]:

@@ -10,7 +10,7 @@ For the per-chip layout the driver builds the trainer exactly as ``raytpu train`
 (``raytpu.driver.ray_trainer.build_trainer``: ``ScalingConfig(**scaling_kwargs(cfg))`` and raytpu's torch
 config) and runs a tiny train function with the same scaling and backend: each worker writes
 its node, labels and Ray's TPU chip ids to ``OUT/<layout>/rank_<r>.json``, and in the per-chip
-layout also the PJRT environment raytpu's ``configure_chip_process`` sets. No XLA is run.
+layout also the PJRT environment raytpu's xla runtime sets (its description's ``prepare_process``). No XLA is run.
 
 Then an elastic run over whole slices (``scaling.tpu.slices=1:2``, spmd: 2 to 4 workers), with
 raytpu's run config (its controller callback): once its group spans both slices, a host of one
@@ -78,10 +78,10 @@ def where_am_i(config: dict[str, Any]) -> None:
     record = placement()
     if config["layout"] == "multiprocess":  # raytpu's own per-chip setup: the env torch_xla would read
         from raytpu.config import from_dict
-        from raytpu.worker.entry import configure_chip_process
+        from raytpu.runtime.kinds import kind_of
 
         cfg, _ = from_dict(config["config"])
-        record["pjrt_env"] = configure_chip_process(cfg, record["rank"])
+        record["pjrt_env"] = kind_of("xla").prepare_process(cfg, record["rank"])
     out = Path(config["out"]) / f"rank_{record['rank']}.json"
     out.write_text(json.dumps(record))
 

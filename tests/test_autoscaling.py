@@ -87,6 +87,12 @@ def test_a_tpu_run_submitted_to_a_cluster_from_cluster_yaml_starts_its_tpu_node(
     assert report["workers"] and {w["node_type"] for w in report["workers"]} == {"tpu_v5e_8"}, report["workers"]
     assert report["released_after_s"] is not None
 
+    torch_tpu = report["torch_tpu"]  # planned and placed as TorchTPU's, refused by the fake node that lacks it
+    assert "1 torch_tpu worker(s), bf16, torch.compile (default), 4 samples per worker" in torch_tpu["out"], torch_tpu
+    assert torch_tpu["code"] == 1 and "this worker has no torch_tpu" in error_line(torch_tpu), torch_tpu["err"][-3000:]
+    placed = report["torch_tpu_workers"]  # on a TPU node the autoscaler has or starts, a chip each
+    assert len(placed) == 1 and placed[0]["node_type"].startswith("tpu_v5e"), placed
+
     run = RunFolder(f"{runs}/on-demand")
     assert [n for n in run.children() if n.startswith("checkpoint_0") and run.exists(f"{n}/meta.json")]
     seen = {"runtime_env": json.dumps(report["runtime_env"]), "job logs": out + submit["err"]}
@@ -115,6 +121,9 @@ def test_auto_picks_cuda_from_a_gpu_node_type_and_a_wait_gives_up_after_its_limi
     refused = report["xla_without_tpu"]  # the user asked for a TPU: never XLA on the CPU of a cluster
     assert refused["code"] == 2 and refused["seconds"] < 60
     assert "scaling.runtime=xla but the cluster has no TPU and its autoscaler can start none" in error_line(refused)
+    refused = report["torch_tpu_without_tpu"]
+    assert refused["code"] == 2 and refused["seconds"] < 60
+    assert "scaling.runtime=torch_tpu but the cluster has no TPU and its autoscaler can start" in error_line(refused)
 
     doctor = json.loads(report["doctor"]["out"])  # the dashboard's address, as the walk-through gives it
     assert doctor["cluster"]["reachable"] and doctor["cluster"]["auto_runtime"] == "cuda", doctor["cluster"]

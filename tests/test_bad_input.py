@@ -311,10 +311,12 @@ def test_resources_the_cluster_does_not_have(world, ray_session, capsys, overrid
     ids=["TPU hosts", "GPUs", "one CPU worker", "data-parallel CPU workers"],
 )
 def test_fsdp_over_several_workers_is_refused_only_without_xla_collectives(overrides, accelerators):
-    from raytpu.driver.preflight import check_sharded_workers
+    from raytpu.runtime.kinds import kind_of
+    from raytpu.runtime.placement import ClusterOffer
 
     cfg, _ = load_config(SMALL, ["runtime=xla", "xla.spmd=true", *overrides])
-    check_sharded_workers(cfg, "xla", accelerators)
+    node = {"CPU": 8.0, **{name: float(count) for name, count in accelerators.items()}}
+    kind_of("xla").check_workers(cfg, ClusterOffer(nodes=(node,), available=node))
 
 
 @pytest.mark.parametrize(

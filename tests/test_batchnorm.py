@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from raytpu.runtime import batchnorm_scope
-from raytpu.runtime.batchnorm import GlobalBatchNorm, convert_to_global_batchnorm
+from raytpu.runtime.torch_ddp import GlobalBatchNorm, convert_to_global_batchnorm
 
 
 @pytest.mark.parametrize(

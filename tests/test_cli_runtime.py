@@ -8,7 +8,8 @@ import pytest
 
 from raytpu import cli
 from raytpu.config import ConfigError
-from raytpu.runtime import pick_runtime, resolve_precision
+from raytpu.runtime import resolve_precision
+from raytpu.runtime.placement import ClusterOffer, choose_runtime
 from tests.conftest import ROOT
 
 SMALL = str(ROOT / "jobs/mshnet/small.yaml")
@@ -48,8 +49,10 @@ def test_data_synth_writes_the_layout(tmp_path, capsys):
     ("tpu", "gpu", "expected"), [(True, True, "xla"), (False, True, "cuda"), (False, False, "cpu")]
 )
 def test_auto_runtime(tpu, gpu, expected):
-    assert pick_runtime("auto", tpu, gpu) == expected
-    assert pick_runtime("cpu", tpu, gpu) == "cpu"
+    machine = {"CPU": 8.0, "TPU": 8.0 * tpu, "GPU": 1.0 * gpu}
+    offer = ClusterOffer(nodes=(machine,), available=machine, this_machine=True)
+    assert choose_runtime("auto", offer)[0] == expected
+    assert choose_runtime("cpu", offer) == ("cpu", "")
 
 
 @pytest.mark.parametrize(
@@ -73,15 +76,21 @@ def test_precision_follows_the_device(runtime, asked, bf16_ok, expected, warns):
 
 
 def test_relative_weights_path_reaches_workers_absolute(tmp_path, monkeypatch):
+    """Relative paths are the driver's: absolute in the plan, and in a plan remade elsewhere (a
+    Tune trial, another size) from another working folder."""
     from raytpu.config import load_config
-    from raytpu.config.plan import anchored
+    from raytpu.config.plan import Facts, make_plan
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ckpt").mkdir()
     cfg, _ = load_config(SMALL, ["checkpoint.weights=ckpt"])
-    anchored_cfg = anchored(cfg)
-    assert anchored_cfg.checkpoint.weights == str(tmp_path / "ckpt")
-    assert anchored_cfg.run.storage_path == str(tmp_path / "results")
+    plan = make_plan(cfg, Facts(mode="train"))
+    monkeypatch.chdir(ROOT)
+    for made in (plan, plan.remade({"optim.lr": 0.5})):
+        assert made.config.checkpoint.weights == str(tmp_path / "ckpt")
+        assert made.config.run.storage_path == str(tmp_path / "results")
+    trial = plan.remade({"run.storage_path": str(tmp_path / "sweep/runs")})  # a value given wins
+    assert trial.config.run.storage_path == str(tmp_path / "sweep/runs")
 
 
 def test_a_missing_data_path_is_made_there_refused_when_typed_or_falls_back(tmp_path, monkeypatch, capsys):

@@ -8,6 +8,8 @@ a node are in ``tests/test_elastic_cluster.py``."""
 from __future__ import annotations
 
 import json
+import logging
+import sys
 import time
 from pathlib import Path
 
@@ -17,8 +19,8 @@ from torch.utils.data import TensorDataset
 
 from raytpu import cli
 from raytpu.config import ConfigError, load_config, with_values
-from raytpu.config.batching import BatchPlan, elastic_plans, worker_range
-from raytpu.config.plan import Facts, make_plan
+from raytpu.config.batching import BatchPlan, elastic_plans
+from raytpu.config.plan import Facts, make_plan, worker_range
 from raytpu.records import goodput, resizes
 from raytpu.records.resizes import Regrow
 from raytpu.runtime import make_runtime
@@ -238,3 +240,25 @@ def test_with_values_keeps_a_range_when_the_plan_sets_its_size():
     cfg, _ = load_config(None, [*TOY, "data.global_batch_size=8", "scaling.num_workers=1:2"])
     assert worker_range(with_values(cfg, {"scaling.num_workers": 2})) == (1, 2)
     assert json.loads(json.dumps(cfg.scaling.min_workers)) == 1
+
+
+def test_ray_s_timeouts_on_a_busy_machine_are_one_line_each(capsys):
+    """Under load Ray Train's elastic policy times out reading its reserved resources, and its
+    placement-group cleaner's thread can die of a timeout: each is one line, no traceback."""
+    import threading
+
+    from raytpu.cluster.connect import ELASTIC_POLICY, one_line_for, without_traceback
+
+    record = logging.LogRecord(ELASTIC_POLICY, logging.WARNING, __file__, 1, "Failed to get resources", (), None)
+    try:
+        raise TimeoutError("Get timed out")
+    except TimeoutError:
+        record.exc_info = sys.exc_info()
+    assert without_traceback(record) and record.exc_info is None
+    others = []
+    hook = one_line_for(others.append, "PlacementGroupCleanerMonitor")
+    for name in ("PlacementGroupCleanerMonitor", "mine"):
+        thread = threading.Thread(target=lambda: None, name=name)
+        hook(threading.ExceptHookArgs((TimeoutError, TimeoutError("Get timed out"), None, thread)))
+    assert capsys.readouterr().err == "PlacementGroupCleanerMonitor stopped: TimeoutError: Get timed out\n"
+    assert [args.thread.name for args in others] == ["mine"]

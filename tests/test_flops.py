@@ -17,8 +17,8 @@ from raytpu.jobs.cdeit import JOB as CDEIT
 from raytpu.jobs.cdeit import model_config
 from raytpu.jobs.cdeit.model import SMALL, DiT, DiTConfig, training_flops
 from raytpu.runtime import make_runtime
-from raytpu.runtime.base import Runtime
-from raytpu.runtime.peaks import gpu_peak_flops, tpu_peak_flops
+from raytpu.runtime.base import Runtime, gpu_peak_flops
+from raytpu.runtime.tpu import tpu_peak_flops
 from raytpu.worker.flops import matmul_parameters, mfu, perf_scalars, transformer_flops_per_token
 from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter

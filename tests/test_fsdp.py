@@ -17,7 +17,7 @@ from raytpu.config import load_config
 from raytpu.config.args import ConfigError
 from raytpu.config.plan import resolve_config
 from raytpu.jobs.causal_lm import corpus
-from raytpu.runtime.fsdp import plain_state_dict_names, units_of, wrapping_units
+from raytpu.runtime.torch_fsdp import plain_state_dict_names, units_of, wrapping_units
 from raytpu.runtime.xla import mesh_shape
 from tests.conftest import XlaProbe
 
@@ -92,7 +92,7 @@ def flags(*words: str):
 
 
 def on_xla(cfg):
-    return resolve_config(cfg, "xla", "bf16", batch=False)
+    return resolve_config(cfg, "xla", "bf16")
 
 
 def test_fsdp_full_shard_puts_every_device_on_the_fsdp_axis_unless_the_mesh_says_otherwise():

@@ -102,7 +102,7 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     script's own Accelerator decides, as under ``accelerate launch``."""
     from raytpu.config.plan import ACCELERATE_NAMES, ScriptPlan
     from raytpu.driver.launch import PRECISIONS, settings_from
-    from raytpu.runtime.base import resolve_precision
+    from raytpu.runtime.kinds import kind_of, resolve_precision
     from raytpu.runtime.tpu import chip_process_env, slice_spec
     from raytpu.worker.script import process_environment
 
@@ -112,7 +112,7 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     spec = slice_spec(accelerator_type, topology)
     precision, _ = resolve_precision("xla", PRECISIONS[settings.mixed_precision])
     script = ScriptPlan(path=EXAMPLE, state="s", mixed_precision=ACCELERATE_NAMES[precision])
-    launched = process_environment(script, "xla")
+    launched = process_environment(script, kind_of("xla"))
     envs = [{**chip_process_env(rank, placements, spec), **launched} for rank in range(8)]
     assert sorted(int(env["CLOUD_TPU_TASK_ID"]) for env in envs) == list(range(8))
     assert {env["PJRT_DEVICE"] for env in envs} == {"TPU"}
@@ -120,7 +120,7 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     assert all(env["USE_TORCH_XLA"] == "1" and "ACCELERATE_USE_CPU" not in env for env in envs)
     assert {env["TPU_VISIBLE_CHIPS"] for env in envs} == {str(chip) for chip in range(spec.chips_per_host)}
     assert len({env["TPU_PROCESS_ADDRESSES"] for env in envs}) == 1
-    assert "ACCELERATE_MIXED_PRECISION" not in process_environment(ScriptPlan(path=EXAMPLE, state="s"), "cuda")
+    assert "ACCELERATE_MIXED_PRECISION" not in process_environment(ScriptPlan(path=EXAMPLE, state="s"), kind_of("cuda"))
 
 
 def test_ray_train_s_resource_request_timeout_is_one_warning_line_on_the_console():
@@ -192,6 +192,21 @@ def test_checkpoints_published_in_a_rerun_are_numbered_after_the_run_s_own():
 
 
 # ------------------------------------------------------------------ on Ray
+def test_a_launch_that_cannot_fit_or_would_resume_a_sharded_run_is_one_line(ray_session, tmp_path, capsys):
+    """Prepared as train is: more processes than the cluster has or can start, and a launch named
+    after a sharded train run (its newest checkpoint sharded), are one line each, before any worker."""
+    sharded = tmp_path / "runs" / "sharded-run" / "checkpoint_00000004"
+    sharded.mkdir(parents=True)
+    (sharded / "meta.json").write_text(json.dumps({"step": 4, "sharded": True}))
+    for name, argv, message in (
+        ("big", ["--num_processes", "64"], "2 worker(s) fit: set --num_processes 2"),
+        ("sharded-run", [], "checkpoint_00000004 was written by a sharded raytpu train run"),
+    ):
+        assert launch(tmp_path, name, *argv, EXAMPLE) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("raytpu: error: ") and "\n" not in err and message in err, err
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("script", ["test_script.py", "test_sync.py"])
 def test_accelerate_s_own_distributed_tests_pass_on_two_ray_workers(ray_session, tmp_path, script):

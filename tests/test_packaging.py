@@ -42,7 +42,8 @@ def test_the_package_list_names_every_package_of_raytpu_and_jobs():
 
 def test_torch_is_pinned_only_where_torch_xla_needs_it():
     """The core takes the torch the user has (2.9 or newer); the xla and tpu extras pin the one
-    torch torch_xla 2.9.0 is built against; the core's other dependencies are ranges."""
+    torch torch_xla 2.9.0 is built against, the torch_tpu extra the range TorchTPU 0.2.0 needs; the
+    core's other dependencies are ranges."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = {
         requirement.split("[")[0].split(">")[0].split("=")[0]: requirement for requirement in project["dependencies"]
@@ -50,6 +51,8 @@ def test_torch_is_pinned_only_where_torch_xla_needs_it():
     assert core["torch"] == "torch>=2.9" and not any("==" in requirement for requirement in core.values())
     for extra in ("xla", "tpu"):
         assert "torch==2.9.0" in project["optional-dependencies"][extra]
+    torch_tpu = project["optional-dependencies"]["torch_tpu"]  # its own torch, and never torch_xla
+    assert "torch>=2.11,<=2.15" in torch_tpu and not any("torch_xla" in requirement for requirement in torch_tpu)
 
 
 def test_the_wheel_installs_one_top_level_package_with_the_jobs_and_their_configs(tmp_path):

@@ -13,9 +13,9 @@ import yaml
 from raytpu.cluster.capacity import node_types_of_config, node_types_of_record
 from raytpu.config import load_config, with_values
 from raytpu.config.plan import resolve_config
-from raytpu.driver.preflight import check_local_accelerators
 from raytpu.driver.ray_trainer import worker_bundles
 from raytpu.errors import ConfigError
+from raytpu.runtime.kinds import kind_of
 from raytpu.runtime.placement import ClusterOffer, NodeType, choose_runtime, judge_fit, place
 from tests.conftest import ROOT
 
@@ -168,14 +168,20 @@ def test_every_fix_an_error_names_works(runtime: str, workers: int, machine: dic
 def test_local_processes_need_a_gpu_each() -> None:
     machine = {"CPU": 8.0, "GPU": 1.0}
     offer = ClusterOffer(nodes=(machine,), available=machine, this_machine=True)
+
+    def check(runtime: str, workers: int, machine: ClusterOffer) -> None:
+        placement = place(runtime, workers, "spmd", False, machine)
+        cfg, _ = load_config(SMALL, [f"scaling.num_workers={placement.num_workers}"])
+        kind_of(placement.runtime).check_local(cfg, machine)
+
     with pytest.raises(
         ConfigError, match=r"2 cuda workers need 2 GPUs but this machine has 1: set scaling.num_workers=1"
     ):
-        check_local_accelerators(place("cuda", 2, "spmd", False, offer), offer)
-    check_local_accelerators(place("auto", 2, "spmd", False, offer), offer)
+        check("cuda", 2, offer)
+    check("auto", 2, offer)
     laptop = ClusterOffer(nodes=({"CPU": 2.0},), this_machine=True)
     with pytest.raises(ConfigError, match="this machine has no GPU; use scaling.runtime=auto"):
-        check_local_accelerators(place("cuda", 1, "spmd", False, laptop), laptop)
+        check("cuda", 1, laptop)
 
 
 def test_a_bucket_in_data_path_is_read_through_ray_data_or_refused_in_one_line() -> None:

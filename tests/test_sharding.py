@@ -14,10 +14,11 @@ from torch import nn
 
 from raytpu import cli
 from raytpu.config import load_config, with_values
-from raytpu.config.memory import GB, ModelSize, check_memory, device_memory_gb, estimate, estimate_run, memory_of
+from raytpu.config.memory import GB, ModelSize, check_memory, estimate, estimate_run
 from raytpu.errors import ConfigError
 from raytpu.jobs.causal_lm import corpus
 from raytpu.records import checkpoints as ckpt
+from raytpu.runtime.base import device_memory_gb, memory_of
 from raytpu.runtime.torch_fsdp import checkpoint_in_place
 from raytpu.storage.run_folder import RunFolder
 from tests.conftest import ROOT

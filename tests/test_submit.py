@@ -196,6 +196,10 @@ def test_submit_checks_paths_before_it_connects(tmp_path: Path, monkeypatch, cap
     assert "data.path 'data/irstd' is on this machine only" in capsys.readouterr().err
 
 
+#: a data path on the cluster's nodes, which raytpu submit does not look for here
+NODES_DATA = "data.path=/mnt/raytpu-data"
+
+
 def raytpu(*args: str, env: dict[str, str] | None = None, timeout: int = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(VENV_BIN / "raytpu"), *args],
@@ -208,7 +212,8 @@ def raytpu(*args: str, env: dict[str, str] | None = None, timeout: int = 60) -> 
 
 
 def test_bad_input_is_one_line_before_anything_is_uploaded() -> None:
-    unreachable = raytpu("submit", "jobs/mshnet/small.yaml", "--address", "http://127.0.0.1:9")
+    # an absolute data path names one on the nodes: whatever data/ this working copy holds is not checked
+    unreachable = raytpu("submit", "jobs/mshnet/small.yaml", NODES_DATA, "--address", "http://127.0.0.1:9")
     assert unreachable.returncode == 2
     assert (
         unreachable.stderr.strip()
@@ -376,7 +381,7 @@ def test_submit_mshnet_small_to_a_real_head(ray_head: dict, tmp_path: Path) -> N
     assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-2000:]
 
     unauthenticated = raytpu(
-        "submit", "jobs/mshnet/small.yaml", "--address", ray_head["address"], env={"HOME": str(tmp_path)}
+        "submit", "jobs/mshnet/small.yaml", NODES_DATA, "--address", ray_head["address"], env={"HOME": str(tmp_path)}
     )
     assert unauthenticated.returncode == 2, unauthenticated.stderr[-3000:]
     assert "token authentication is on" in unauthenticated.stderr.strip().splitlines()[-1]

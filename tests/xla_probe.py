@@ -93,7 +93,7 @@ def probe_run(warmup: int, overrides: list[str]) -> dict:
     start = time.perf_counter()
     met.clear_all()
     cfg, job = load_config(None, ["logging.progress_bar=false", "logging.eval_images=0", *overrides])
-    cfg = resolve_config(cfg, "xla", resolve_precision("xla", cfg.scaling.precision)[0], batch=False)  # as planned
+    cfg = resolve_config(cfg, "xla", resolve_precision("xla", cfg.scaling.precision)[0])  # as planned
     runtime = make_runtime("xla", cfg.scaling.precision, 1, 0, 0, cfg.xla, sharding=cfg.sharding)
     # a named run (run.name given) is kept in run.storage_path, so that a later run of the same name resumes it
     named = any(word.startswith("run.name=") for word in overrides)

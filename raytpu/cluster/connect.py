@@ -17,7 +17,8 @@ import shlex
 import socket
 import subprocess
 import sys
-from collections.abc import Collection, Iterator, Mapping
+import threading
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -218,6 +219,8 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
     env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
     env.update(endpoint_variables())  # where the stores are; never credentials: each node has its own
     env["RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS"] = "0"
+    # TorchTPU's autoload off in every worker, as in the driver (raytpu/__init__.py): its runtime loads it
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     # print() in a worker stays print(): Ray Train would route it through a logger that writes it
     # to both stdout and stderr (each line twice on the console)
     env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
@@ -373,6 +376,8 @@ def free_port() -> int:
 #: Ray Train's client of the autoscaling coordinator: on a busy machine its request can time out,
 #: and it logs the timeout's traceback with a warning that calls it safe to ignore
 AUTOSCALING_CLIENT = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
+#: Ray Train's elastic scaling policy (its look at the resources the autoscaling coordinator reserved)
+ELASTIC_POLICY = "ray.train.v2._internal.execution.scaling_policy.elastic"
 
 
 def quiet_train_controller() -> None:
@@ -388,7 +393,25 @@ def quiet_train_controller() -> None:
     # Ray says it expects that, with a traceback each
     for name in ("backend_setup", "placement_group_callback"):
         logging.getLogger(f"ray.train.v2._internal.callbacks.{name}").addFilter(lambda record: False)
-    logging.getLogger(AUTOSCALING_CLIENT).addFilter(without_traceback)
+    # on a busy machine an elastic run's look at its reserved resources times out: Ray says so, and that it
+    # keeps the group's size, with the timeout's traceback
+    for name in (AUTOSCALING_CLIENT, ELASTIC_POLICY):
+        logging.getLogger(name).addFilter(without_traceback)
+    threading.excepthook = one_line_for(threading.excepthook, "PlacementGroupCleanerMonitor")
+
+
+def one_line_for(hook: Callable[[Any], None], thread_name: str) -> Callable[[Any], None]:
+    """``threading.excepthook`` where an error ending the thread ``thread_name`` (Ray Train's
+    placement-group cleaner, whose look at the controller can time out on a busy machine) is one
+    line, and every other thread's error is ``hook``'s."""
+
+    def excepthook(args: Any) -> None:
+        if args.thread is not None and args.thread.name == thread_name:
+            print(f"{thread_name} stopped: {args.exc_type.__name__}: {args.exc_value}", file=sys.stderr, flush=True)
+            return
+        hook(args)
+
+    return excepthook
 
 
 def without_traceback(record: logging.LogRecord) -> bool:

@@ -145,6 +145,8 @@ class ElasticWatch(ControllerCallback):
             get_or_create_autoscaling_coordinator,
         )
 
+        if not ray.is_initialized():  # outside a Ray Train controller: nothing to ask
+            return
         try:
             coordinator = get_or_create_autoscaling_coordinator()
             ray.get(coordinator.get_reserved_resources.remote(self.requester, recompute=True), timeout=30)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,6 +80,11 @@ class BatchPlan:
                 f"the {split} split of {where} has {samples} samples, fewer than the {self.workers} workers"
             )
 
+    def check_splits(self, sizes: Iterable[tuple[str, int]], where: str) -> None:
+        """:meth:`check_split` for each split the driver counted."""
+        for split, samples in sizes:
+            self.check_split(split, samples, where)
+
     def sized(self, workers: int, devices: int = 1) -> BatchPlan:
         """This global batch over ``workers`` workers (another size of an elastic run): each worker's
         micro-batch at most this plan's (what fits its memory), with the fewest accumulation steps
@@ -117,9 +122,3 @@ def elastic_plans(cfg: Config, sizes: Sequence[int], devices: int = 1) -> dict[i
             f"{steps}), or a range whose sizes all divide {global_batch}"
         ) from None
     return plans
-
-
-def worker_range(cfg: Config) -> tuple[int, int] | None:
-    """``(smallest, largest)`` of an elastic run (``scaling.num_workers: MIN:MAX``); None for one size."""
-    low, high = cfg.scaling.min_workers, cfg.scaling.num_workers
-    return (low, high) if 0 < low < high else None

@@ -18,7 +18,8 @@ sharded, else 1; ``c`` the bytes of a computed value: 2 in bf16, 4 in fp32):
   batch, with or without activation checkpointing.
 
 The check leaves a tenth of the device to the CUDA context, the allocator's fragmentation and
-the data (``USABLE``). The benchmark ``bench/gpu_throughput.py`` compares the estimate with
+the data (``USABLE``). Each device's memory is what its runtime's description knows
+(``raytpu.runtime.builtin``: GPUs by kind). The benchmark ``bench/gpu_throughput.py`` compares the estimate with
 ``torch.cuda.max_memory_allocated`` on a GPU (docs/benchmarks.md).
 """
 
@@ -34,8 +35,8 @@ from raytpu.config.loading import with_values
 from raytpu.config.schema import Config
 from raytpu.errors import ConfigError
 from raytpu.job import EstimatesActivations, Job
-from raytpu.runtime.base import compiles
-from raytpu.runtime.fsdp import units_of, wrapping_units
+from raytpu.runtime.kinds import compiles, kind_of, registered
+from raytpu.runtime.torch_fsdp import units_of, wrapping_units
 
 GB = 1e9
 
@@ -44,27 +45,6 @@ USABLE = 0.9
 
 #: optimizer state, bytes per parameter (fp32 state)
 OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "adagrad": 4, "adafactor": 0}
-
-#: memory of each GPU, by the names Ray gives them (``accelerator_type:<name>``) and by the words
-#: of ``torch.cuda.get_device_name`` (``NVIDIA H100 80GB HBM3``), in GB
-GPU_MEMORY_GB = {
-    "H200": 141,
-    "H100": 80,
-    "H20": 96,
-    "B200": 180,
-    "GH200": 96,
-    "A100-80G": 80,
-    "A100-40G": 40,
-    "A100": 40,
-    "L40S": 48,
-    "L40": 48,
-    "L4": 24,
-    "A10G": 24,
-    "A10": 24,
-    "T4": 16,
-    "V100": 16,
-    "P100": 16,
-}
 
 
 @dataclass(frozen=True)
@@ -142,28 +122,6 @@ def estimate(
     return MemoryEstimate(weights, gradients, state, gathered, activations)
 
 
-def device_memory_gb(kinds: set[str] | list[str]) -> float | None:
-    """The smallest memory of the GPUs named (Ray's names or CUDA's), or None when none is known."""
-    known = [memory_of(kind) for kind in kinds]
-    found = [memory for memory in known if memory is not None]
-    return min(found) if found else None
-
-
-def memory_of(kind: str) -> float | None:
-    """A GPU's memory in GB from its name: the size it states (``NVIDIA H100 80GB HBM3``), else the table."""
-    words = kind.replace("-", " ").split()
-    for word in words:
-        if word.upper().endswith("GB") and word[:-2].isdigit():
-            return float(word[:-2])
-    if kind in GPU_MEMORY_GB:
-        return float(GPU_MEMORY_GB[kind])
-    upper = {word.upper() for word in words}
-    for name, memory in GPU_MEMORY_GB.items():
-        if name in upper:
-            return float(memory)
-    return None
-
-
 def advice(cfg_sharded: bool, checkpointed: bool, activations_share: float) -> str:
     """What to change, most effective first: shard, checkpoint activations, lower the batch."""
     steps = []
@@ -200,18 +158,13 @@ def checkpointed(cfg: Config) -> bool:
 
 def device_memory(cfg: Config, gpu_kinds: frozenset[str]) -> tuple[float | None, str]:
     """Each device's memory in GB and what it is (``an H100``): ``scaling.device_memory_gb``, else
-    on cuda the smallest of the cluster's GPUs by kind, or this machine's GPU; None where unknown."""
+    what the runtime's description knows (on cuda the smallest of the cluster's GPUs by kind, or
+    this machine's GPU); None where unknown."""
     if cfg.scaling.device_memory_gb:
         return cfg.scaling.device_memory_gb, "a device (scaling.device_memory_gb)"
-    if cfg.scaling.runtime != "cuda":
+    if cfg.scaling.runtime == "auto":
         return None, ""
-    known = device_memory_gb(gpu_kinds)
-    if known is not None:
-        return known, f"a GPU of this cluster ({', '.join(sorted(gpu_kinds))})"
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        return props.total_memory / GB, f"this machine's {props.name}"
-    return None, ""
+    return kind_of(cfg.scaling.runtime).device_memory_gb(gpu_kinds)
 
 
 def check_memory(cfg: Config, job: Job, gpu_kinds: frozenset[str]) -> list[str]:
@@ -269,7 +222,5 @@ def estimate_lines(cfg: Config, job: Job, gpu_kinds: frozenset[str] = frozenset(
 
 
 def default_precision(runtime: str) -> str:
-    """``precision: auto``'s choice where the device is not at hand (a GPU with bf16)."""
-    from raytpu.runtime.base import resolve_precision
-
-    return resolve_precision(runtime if runtime != "auto" else "cpu", "auto")[0]
+    """``precision: auto``'s choice where the device is not at hand (a GPU with bf16; ``auto``: the CPU's)."""
+    return kind_of(runtime if runtime in registered() else "cpu").precision("auto")[0]

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raytpu.config.batching import BatchPlan, elastic_plans, worker_range
+from raytpu.config.batching import BatchPlan, elastic_plans
 from raytpu.config.loading import from_dict, to_dict, with_values
 from raytpu.config.schema import Config
 from raytpu.errors import ConfigError
-from raytpu.runtime.base import GPUS_WITHOUT_BF16, compiles, precision_reason, resolve_precision
+from raytpu.runtime.kinds import compiles, kind_of, precision_reason
 from raytpu.runtime.placement import ClusterOffer, NodeType, Placement, place
 from raytpu.storage.filesystems import is_remote, join
 
@@ -60,6 +60,10 @@ class Facts:
     started: float = 0.0  # when that command started (seconds since the epoch)
     stop: str = ""  # where a stop request is read (``raytpu.records.stop``); "" = never
     script: ScriptPlan | None = None
+    # the values the driver fixes from where it runs, kept for every plan remade from this one (a Tune
+    # trial, a smaller batch, another size): local paths made absolute from its working folder, the
+    # trackers' settings from its environment (:func:`driver_values`)
+    anchors: tuple[tuple[str, Any], ...] = ()
     # xla where the cluster has no TPU runs on the CPU PJRT device: asked with PJRT_DEVICE=CPU on the driver
     xla_on_cpu: bool = field(default_factory=lambda: os.environ.get("PJRT_DEVICE", "").upper() == "CPU")
 
@@ -73,6 +77,7 @@ class Plan:
     asked: Config
     facts: Facts
     placement: Placement
+    batch: BatchPlan | None = None  # how the global batch splits (None for ``raytpu launch``: the script's own)
     datasets: tuple[str, ...] = ()  # the Ray Datasets given to the TorchTrainer (data.loader=ray)
     notes: tuple[str, ...] = ()  # what the driver says before the run: what auto chose, what differs
 
@@ -82,7 +87,7 @@ class Plan:
 
     @property
     def storage(self) -> str:
-        """``run.storage_path`` (made absolute by :func:`anchored`)."""
+        """``run.storage_path`` (made absolute from the driver's working folder)."""
         return self.config.run.storage_path.rstrip("/")
 
     @property
@@ -95,17 +100,15 @@ class Plan:
         return join(self.storage, self.name)
 
     @property
-    def batch(self) -> BatchPlan:
-        return BatchPlan.of(self.config)
-
-    @property
     def script(self) -> ScriptPlan | None:
         return self.facts.script
 
     def remade(self, values: Mapping[str, Any], **facts: Any) -> Plan:
         """The plan of the user's config with dotted keys changed (a Tune trial's values, the batch
         a finder stepped down to), and facts changed (the trial's command): :func:`make_plan`."""
-        return make_plan(with_values(self.asked, values), dataclasses.replace(self.facts, **facts))
+        anchors = tuple((key, value) for key, value in self.facts.anchors if key not in values)
+        remade = dataclasses.replace(self.facts, anchors=anchors, **facts)  # the values given win
+        return make_plan(with_values(self.asked, values), remade)
 
     def at_size(self, workers: int, devices: int = 1) -> Plan:
         """This plan on ``workers`` workers, each driving ``devices`` (the size an elastic run's group
@@ -113,6 +116,7 @@ class Plan:
         scaling = self.config.scaling
         if workers == scaling.num_workers:
             return self
+        assert self.batch is not None
         batch = self.batch.sized(workers, devices)
         values = {
             "scaling.num_workers": workers,
@@ -131,6 +135,7 @@ class Plan:
             "asked": to_dict(self.asked),
             "facts": facts,
             "placement": dataclasses.asdict(self.placement),
+            "batch": dataclasses.asdict(self.batch) if self.batch else None,
             "datasets": list(self.datasets),
             "notes": list(self.notes),
         }
@@ -147,6 +152,7 @@ class Plan:
             this_machine=offer["this_machine"],
         )
         facts["split_sizes"] = tuple(tuple(pair) for pair in facts["split_sizes"])
+        facts["anchors"] = tuple(tuple(pair) for pair in facts["anchors"])
         script = facts["script"]
         facts["script"] = ScriptPlan(**{**script, "args": tuple(script["args"])}) if script else None
         placement = dict(values["placement"])
@@ -156,6 +162,7 @@ class Plan:
             asked=from_dict(values["asked"])[0],
             facts=Facts(**facts),
             placement=Placement(**placement),
+            batch=BatchPlan(**values["batch"]) if values["batch"] else None,
             datasets=tuple(values["datasets"]),
             notes=tuple(values["notes"]),
         )
@@ -165,44 +172,57 @@ class Plan:
 def make_plan(cfg: Config, facts: Facts) -> Plan:
     """The plan of ``cfg`` (the config as the user wrote it) for the command and cluster of
     ``facts``: placement, precision, resolved config, the batch checked against the data."""
+    if not facts.anchors:
+        facts = dataclasses.replace(facts, anchors=tuple(driver_values(cfg).items()))
     scaling = cfg.scaling
     slice_named = bool(scaling.tpu.accelerator_type)
     placement = place(
         scaling.runtime, scaling.num_workers, scaling.tpu.layout, slice_named, facts.offer, facts.xla_on_cpu
     )
-    gpu_types = facts.offer.accelerator_types("GPU")
-    bf16_everywhere = not (gpu_types and gpu_types <= GPUS_WITHOUT_BF16)  # else each worker's GPU decides
-    precision, warning = resolve_precision(placement.runtime, scaling.precision, bf16_everywhere)
-    resolved = resolve_config(cfg, placement.runtime, precision, placement, batch=facts.mode != "launch")
-    if not facts.local:
-        resolved = with_values(resolved, leave_cpu_for_ray_data(resolved, facts.offer))
-    for split, samples in facts.split_sizes:
-        BatchPlan.of(resolved).check_split(split, samples, facts.data_root)
+    kind = kind_of(placement.runtime)
+    precision, warning = kind.plan_precision(scaling.precision, facts.offer)
+    offer = None if facts.local else facts.offer
+    resolved = resolve_config(cfg, placement.runtime, precision, placement, dict(facts.anchors), offer)
+    batches = {} if facts.mode == "launch" else batch_plans(resolved)
+    batch = batches.get(resolved.scaling.num_workers)
+    if batch is not None:
+        batch.check_splits(facts.split_sizes, facts.data_root)
     if facts.script is not None and facts.script.mixed_precision:  # asked with --mixed_precision
         script = dataclasses.replace(facts.script, mixed_precision=ACCELERATE_NAMES[precision])
         facts = dataclasses.replace(facts, script=script)
     notes = [f"scaling.runtime auto -> {placement.runtime}: {placement.why}"] if placement.why else []
     notes += [placement.note] if placement.note else []
     notes += [f"warning: {warning}"] if warning else []
-    if scaling.precision == "auto" and placement.runtime != "cpu":
+    if scaling.precision == "auto" and kind.accelerator:
         notes.append(f"scaling.precision {precision_reason(placement.runtime, 'auto', precision)}")
-    notes += cpu_note(cfg, resolved) + bucket_note(resolved) + elastic_note(resolved)
-    return Plan(resolved, cfg, facts, placement, datasets_of(resolved, facts.mode), tuple(notes))
+    notes += cpu_note(cfg, resolved) + bucket_note(resolved) + elastic_note(resolved, batches)
+    return Plan(resolved, cfg, facts, placement, batch, datasets_of(resolved, facts.mode), tuple(notes))
 
 
-def elastic_note(cfg: Config) -> list[str]:
+def batch_plans(cfg: Config) -> dict[int, BatchPlan]:
+    """How the global batch splits at each size the run may take (one, unless it is elastic)."""
+    if worker_range(cfg):
+        return elastic_plans(cfg, elastic_sizes(cfg), devices_per_worker(cfg))
+    return {cfg.scaling.num_workers: BatchPlan.of(cfg)}
+
+
+def elastic_note(cfg: Config, batches: Mapping[int, BatchPlan]) -> list[str]:
     """An elastic run's sizes and what each means for the batch: ``elastic, 1 to 2 workers: 2 x 4
     per worker; 1 x 4 per worker x 2 accumulation steps (global batch 8 at every size)``."""
-    if not worker_range(cfg):
+    if len(batches) < 2:
         return []
-    devices = devices_per_worker(cfg)
-    sizes = elastic_plans(cfg, elastic_sizes(cfg), devices)
     parts = []
-    for workers, batch in sorted(sizes.items(), reverse=True):
+    for workers, batch in sorted(batches.items(), reverse=True):
         steps = f" x {batch.grad_accum} accumulation steps" if batch.grad_accum > 1 else ""
         parts.append(f"{workers} x {batch.per_worker} per worker{steps}")
-    batch = cfg.data.global_batch_size
-    return [f"elastic, {min(sizes)} to {max(sizes)} workers: {'; '.join(parts)} (global batch {batch} at every size)"]
+    sizes, total = f"{min(batches)} to {max(batches)} workers", cfg.data.global_batch_size
+    return [f"elastic, {sizes}: {'; '.join(parts)} (global batch {total} at every size)"]
+
+
+def worker_range(cfg: Config) -> tuple[int, int] | None:
+    """``(smallest, largest)`` of an elastic run (``scaling.num_workers: MIN:MAX``); None for one size."""
+    low, high = cfg.scaling.min_workers, cfg.scaling.num_workers
+    return (low, high) if 0 < low < high else None
 
 
 def datasets_of(cfg: Config, mode: str) -> tuple[str, ...]:
@@ -240,65 +260,37 @@ def cpu_note(asked: Config, resolved: Config) -> list[str]:
 
 
 def resolve_config(
-    cfg: Config, runtime: str, precision: str, placement: Placement | None = None, batch: bool = True
+    cfg: Config,
+    runtime: str,
+    precision: str,
+    placement: Placement | None = None,
+    fixed: Mapping[str, Any] | None = None,
+    offer: ClusterOffer | None = None,
 ) -> Config:
     """The config as it runs on ``runtime`` at ``precision`` (and ``placement``: its worker count and
-    each worker's TPU): per-device batches turned into global ones, gradient checkpointing routed to
-    torch_xla's on xla. ``batch``: the global batch splits over the workers (not for ``raytpu
-    launch``, whose script batches as it likes)."""
-    if runtime == "xla" and cfg.loop.compile == "true":
-        raise ConfigError("loop.compile=true: XLA compiles every step already; torch.compile is for cpu and cuda")
+    each worker's TPU), with the driver's ``fixed`` values: per-device batches turned into global
+    ones, gradient checkpointing routed to the runtime's own; on a cluster (``offer``), a CPU left
+    to Ray Data where the workers would take them all."""
+    kind = kind_of(runtime)
     compiled = "true" if compiles(runtime, cfg.loop.compile) else "false"
     settled = {"scaling.runtime": runtime, "scaling.precision": precision, "loop.compile": compiled}
-    cfg = with_values(cfg, {**settled, **placed(cfg, placement)})
-    cfg = with_values(cfg, sharded(cfg, runtime, precision))
+    cfg = with_values(cfg, {**(fixed or {}), **settled, **placed(cfg, placement), **kind.sharding(cfg, precision)})
     values: dict[str, Any] = per_device_batches(cfg)
-    if getattr(cfg.job, "gradient_checkpointing", False) and (runtime == "xla" or cfg.sharding.strategy != "none"):
-        # the runtime checkpoints each sharded unit itself: on xla torch_xla's checkpoint, since XLA's
-        # common-subexpression elimination merges a plain checkpoint's recomputation back into the
-        # forward; under FSDP2 a non-reentrant checkpoint inside each unit's all-gather
+    if getattr(cfg.job, "gradient_checkpointing", False) and (
+        kind.checkpoints_units or cfg.sharding.strategy != "none"
+    ):
+        # the runtime checkpoints each sharded unit itself (a non-reentrant checkpoint inside each
+        # FSDP2 unit's all-gather; torch_xla's on xla, whose CSE would merge a plain one back)
         values.update({"job.gradient_checkpointing": False, "sharding.activation_checkpointing": True})
-    resolved = with_values(cfg, values)
-    if batch:
-        BatchPlan.of(resolved)  # checks the split
-        if worker_range(resolved):  # and at every size of an elastic run
-            elastic_plans(resolved, elastic_sizes(resolved), devices_per_worker(resolved))
-    return resolved
+    if offer is not None:
+        values.update(leave_cpu_for_ray_data(cfg, offer))
+    return with_values(cfg, values)
 
 
 def devices_per_worker(cfg: Config) -> int:
-    """The devices each worker splits its share of the batch over: a TPU host's chips under SPMD."""
-    scaling = cfg.scaling
-    if scaling.runtime != "xla" or scaling.tpu.layout == "multiprocess":
-        return 1
-    if scaling.tpu.accelerator_type:
-        from raytpu.runtime.tpu import slice_spec
-
-        return slice_spec(scaling.tpu.accelerator_type, scaling.tpu.topology).chips_per_host
-    return int(scaling.resources_per_worker.get("TPU", 1)) or 1
-
-
-def sharded(cfg: Config, runtime: str, precision: str) -> dict[str, Any]:
-    """``sharding`` as ``runtime`` runs it: on xla, FSDPv2 over the SPMD mesh's ``fsdp`` axis (every
-    device unless ``xla.mesh.fsdp`` says otherwise), and a mesh with ``fsdp > 1`` is sharding too; on
-    cpu and cuda, FSDP2, which computes in bf16 or fp32 and keeps no EMA copy of a sharded model."""
-    strategy = cfg.sharding.strategy
-    if runtime == "xla":
-        if strategy == "full_shard" and cfg.xla.mesh.fsdp == 1:
-            return {"xla.spmd": True, "xla.mesh.fsdp": -1}
-        return {"sharding.strategy": "full_shard"} if cfg.xla.spmd and cfg.xla.mesh.fsdp != 1 else {}
-    if strategy == "none":
-        return {}
-    if precision == "fp16":
-        raise ConfigError(
-            "sharding.strategy=full_shard computes in bf16 or fp32, and this GPU has no bf16: set "
-            "scaling.precision=fp32"
-        )
-    if cfg.loop.ema_beta:
-        raise ConfigError(
-            "loop.ema_beta: an EMA copy of a sharded model is not kept; set loop.ema_beta=0 or sharding.strategy=none"
-        )
-    return {}
+    """The devices each worker splits its share of the batch over (a TPU host's chips under SPMD;
+    one before ``auto`` has picked the runtime)."""
+    return 1 if cfg.scaling.runtime == "auto" else kind_of(cfg.scaling.runtime).devices_per_worker(cfg)
 
 
 def placed(cfg: Config, placement: Placement | None) -> dict[str, Any]:
@@ -312,11 +304,12 @@ def placed(cfg: Config, placement: Placement | None) -> dict[str, Any]:
         values.update({"scaling.tpu.accelerator_type": accelerator_type, "scaling.tpu.topology": topology})
     elif placement.tpu_chips and "TPU" not in cfg.scaling.resources_per_worker:
         values["scaling.resources_per_worker"] = {**cfg.scaling.resources_per_worker, "TPU": placement.tpu_chips}
-    tpu = cfg.scaling.tpu
-    if placement.runtime == "xla" and tpu.accelerator_type and (tpu.slices > 1 or tpu.min_slices):
+    tpu, kind = cfg.scaling.tpu, kind_of(placement.runtime)
+    if kind.accelerator == "TPU" and tpu.accelerator_type and (tpu.slices > 1 or tpu.min_slices):
         from raytpu.runtime.tpu import slice_spec, workers_for_layout
 
-        per_slice, _ = workers_for_layout(slice_spec(tpu.accelerator_type, tpu.topology), tpu.layout)
+        spec = slice_spec(tpu.accelerator_type, tpu.topology)
+        per_slice, _ = workers_for_layout(spec, kind.tpu_layout(tpu.layout))
         values.update(
             {"scaling.num_workers": tpu.slices * per_slice, "scaling.min_workers": tpu.min_slices * per_slice}
         )
@@ -328,7 +321,9 @@ def elastic_sizes(cfg: Config) -> list[int]:
     workers when its unit is a slice (``scaling.tpu.slices: MIN:MAX``)."""
     low, high = worker_range(cfg) or (cfg.scaling.num_workers, cfg.scaling.num_workers)
     tpu = cfg.scaling.tpu
-    step = high // tpu.slices if cfg.scaling.runtime == "xla" and tpu.accelerator_type and tpu.min_slices else 1
+    named = tpu.accelerator_type and tpu.min_slices and cfg.scaling.runtime != "auto"
+    by_slice = named and kind_of(cfg.scaling.runtime).accelerator == "TPU"
+    step = high // tpu.slices if by_slice else 1
     return list(range(low, high + 1, step))
 
 
@@ -348,21 +343,9 @@ def per_device_batches(cfg: Config) -> dict[str, int]:
 
 
 def data_parallel_replicas(cfg: Config) -> int:
-    """What TrainingArguments' "per device" counts: a worker on cpu and cuda (and with one chip per
-    process on XLA), a chip under SPMD, where each worker drives its host's chips."""
-    scaling = cfg.scaling
-    if scaling.runtime != "xla" or scaling.tpu.layout == "multiprocess":
-        return scaling.num_workers
-    if not scaling.tpu.accelerator_type and scaling.resources_per_worker.get("TPU"):  # a host's chips each
-        return int(scaling.resources_per_worker["TPU"]) * scaling.num_workers
-    if not scaling.tpu.accelerator_type:
-        raise ConfigError(
-            "per-device batch sizes on xla need the slice's chip count: set scaling.tpu.accelerator_type "
-            "(and topology), or give data.global_batch_size instead"
-        )
-    from raytpu.runtime.tpu import slice_spec
-
-    return slice_spec(scaling.tpu.accelerator_type, scaling.tpu.topology).num_chips
+    """What TrainingArguments' "per device" counts: a worker, or a chip under SPMD, where each
+    worker drives its host's chips (the runtime's description says)."""
+    return kind_of(cfg.scaling.runtime).data_parallel_replicas(cfg)
 
 
 def storage_of(cfg: Config) -> str:
@@ -371,17 +354,17 @@ def storage_of(cfg: Config) -> str:
     return storage.rstrip("/") if is_remote(storage) else str(Path(storage).resolve())
 
 
-def anchored(cfg: Config) -> Config:
-    """``cfg`` with the local paths the workers read made absolute, as the command that names them
-    means them (relative to where it runs): the run's storage, the weights to start from, XLA's
-    compile cache. What the driver plans from, once, before :func:`make_plan`."""
+def driver_values(cfg: Config) -> dict[str, Any]:
+    """What the driver fixes from where it runs (:attr:`Facts.anchors`): the local paths the workers
+    read made absolute as the command that names them means them (relative to where it runs: the
+    run's storage, the weights to start from, XLA's compile cache), and the trackers' settings from
+    its environment (:func:`tracking`)."""
     values: dict[str, Any] = {"run.storage_path": storage_of(cfg)}
     if cfg.checkpoint.weights and not is_remote(cfg.checkpoint.weights) and Path(cfg.checkpoint.weights).exists():
         values["checkpoint.weights"] = str(Path(cfg.checkpoint.weights).resolve())
     if cfg.xla.compile_cache not in ("", "none"):
         values["xla.compile_cache"] = str(Path(cfg.xla.compile_cache).resolve())
-    cfg = with_values(cfg, values)
-    return with_values(cfg, tracking(cfg))
+    return {**values, **tracking(cfg)}
 
 
 def tracking(cfg: Config, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from raytpu.config.batching import BatchPlan, elastic_plans
 from raytpu.errors import ConfigError
 from raytpu.hooks import callback_class
+from raytpu.runtime.kinds import kind_of
 
 if TYPE_CHECKING:  # raytpu.config (loading) imports this module
     from raytpu.config import Config
@@ -18,7 +19,6 @@ TRACKERS = ("tensorboard", "mlflow", "wandb")
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "run.mode": ("train", "test"),
-    "scaling.runtime": ("auto", "cpu", "cuda", "xla"),
     "scaling.precision": ("auto", "fp32", "bf16", "fp16"),
     "sharding.strategy": ("none", "full_shard"),
     "logging.wandb_mode": ("", "online", "offline", "disabled"),
@@ -106,6 +106,8 @@ def validate(cfg: Config, job: Job | None = None) -> None:
         value = get_dotted(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(a for a in allowed if a)}")
+    if cfg.scaling.runtime != "auto":
+        kind_of(cfg.scaling.runtime)  # a registered runtime, or a module that describes one
     for key, (low, inclusive) in LOWER_BOUNDS.items():
         check_number(key, get_dotted(cfg, key), (low, inclusive), UPPER_BOUNDS.get(key))
     betas = cfg.optim.betas

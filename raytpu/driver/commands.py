@@ -1,12 +1,13 @@
 """``raytpu train`` and ``raytpu test`` on the driver: check, resolve the plan, start the workers,
 say where everything is.
 
-One preparation step for every way a run starts (:func:`plan_run`): the checks that need no
-cluster (storage, weights, data), the cluster joined (or, with ``--local``, this machine looked
-at) and what it offers read, then the one plan function (``raytpu.config.plan.make_plan``) and the
-workers checked against the cluster. The plan then runs on
-Ray Train's workers (``raytpu.driver.ray_trainer``) or on local processes (``raytpu.driver.local``),
-and both end in one :class:`RunSummary`. Nothing here touches an accelerator.
+One preparation for every command (:func:`prepare`: train, test, a Tune sweep, ``raytpu
+launch``): the checks that need no cluster (storage, weights, trackers, data), the cluster joined
+(or, with ``--local``, this machine looked at) and what it offers read, then the one plan function
+(``raytpu.config.plan.make_plan``), the workers checked against the cluster, a resume against the
+run's checkpoints, the memory estimate. The plan then runs on Ray Train's workers
+(``raytpu.driver.ray_trainer``) or on local processes (``raytpu.driver.local``), and both end in
+one :class:`RunSummary`. Nothing here touches an accelerator.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from raytpu.cluster.connect import (
 )
 from raytpu.config import Config, dump_yaml
 from raytpu.config.memory import check_memory
-from raytpu.config.plan import Facts, Plan, anchored, make_plan
+from raytpu.config.plan import Facts, Plan, ScriptPlan, make_plan
 from raytpu.driver import preflight
 from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunFailed, RunStopped
@@ -43,6 +44,7 @@ from raytpu.records import devices, goodput
 from raytpu.records import summary as run_summary
 from raytpu.records.batches import recorded_text
 from raytpu.records.goodput import Command
+from raytpu.records.relay import checkpoint_names, last_state_number
 from raytpu.records.reports import best_of, complete, entry_of, read_report
 from raytpu.runtime.placement import ClusterOffer
 from raytpu.storage.filesystems import is_remote, join
@@ -114,23 +116,34 @@ def scalars_of(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ the plan
-def plan_run(
+def prepare(
     cfg: Config,
-    job: Job,
     mode: str,
+    job: Job | None = None,
     address: str | None = None,
     local: bool = False,
     command: Command | None = None,
     stop: str = "",
+    script: ScriptPlan | None = None,
+    marks: dict[str, float] | None = None,
 ) -> Plan:
-    """Every check, what the cluster offers, then the plan (:func:`~raytpu.config.plan.make_plan`)
-    of a ``train`` or ``test`` run (and, once per sweep, of ``tune``), and the lines that say it."""
+    """Every command's one preparation: every check it needs, what the cluster offers, the plan
+    (:func:`~raytpu.config.plan.make_plan`), the workers against the cluster, a resume against the
+    run's checkpoints, the memory estimate, and the lines that say it. ``mode``: train, test or
+    launch (a Tune sweep prepares its train run once); ``job`` None: a launched ``script``, whose
+    data and model are its own. ``marks`` gets when the driver began and ended joining Ray."""
     data_root, sizes = preflight.check_run(cfg, job, mode, address, local)
+    marks = {} if marks is None else marks
+    marks["connect"] = time.time()
     if local:
         offer, where = local_offer(), "local processes"
     else:
         connect(address, quiet=mode == "test", verbose=cfg.logging.verbose)
         offer, where = read_offer(this_machine=joined_here()), joined()
+    marks["connected"] = time.time()
+    if script is not None:  # the launch-state numbers of a rerun come after the run folder's own
+        names = checkpoint_names(RunFolder(join(cfg.run.storage_path, cfg.run.name)))
+        script = dataclasses.replace(script, last_checkpoint=last_state_number(names))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     command = command or Command()
     facts = Facts(
@@ -138,40 +151,41 @@ def plan_run(
         offer=offer,
         local=local,
         where=where,
-        main_metric_mode=job.main_metric_mode,
-        data_root=str(data_root),
+        main_metric_mode=job.main_metric_mode if job else "min",
+        data_root=str(data_root or ""),
         split_sizes=tuple(sizes.items()),
-        name="" if mode == "train" else f"{cfg.run.name}/test-{stamp}",
+        name="" if mode != "test" else f"{cfg.run.name}/test-{stamp}",
         command=command.id,
         started=command.started,
         stop=stop,
+        script=script,
     )
-    plan = make_plan(anchored(cfg), facts)
+    plan = make_plan(cfg, facts)
     preflight.check_placement(plan)
     preflight.check_resume_sharding(plan)
-    memory = check_memory(plan.config, job, offer.accelerator_types("GPU"))
+    memory = check_memory(plan.config, job, offer.accelerator_types("GPU")) if job else []
     say(plan, memory)
     return plan
 
 
 def say(plan: Plan, more: list[str] | tuple[str, ...] = ()) -> None:
     """The plan's notes and ``more`` (the memory estimate), then its one line: where, what, how the
-    batch splits."""
+    batch splits (a launch's: the script and its processes)."""
     for note in [*plan.notes, *more]:
         print(f"raytpu: {note}", file=sys.stderr if note.startswith("warning:") else sys.stdout, flush=True)
     print(where_it_runs(plan), flush=True)
 
 
-def print_notes(plan: Plan) -> None:
-    """What the plan says before the run (what ``auto`` chose, what differs from the config; a
-    warning on stderr)."""
-    for note in plan.notes:
-        print(f"raytpu: {note}", file=sys.stderr if note.startswith("warning:") else sys.stdout, flush=True)
-
-
 def where_it_runs(plan: Plan) -> str:
     """One line: the cluster, the workers, the runtime and precision, and the batch per worker."""
-    cfg, batch = plan.config, plan.batch
+    cfg, batch, script = plan.config, plan.batch, plan.script
+    if batch is None:
+        assert script is not None
+        precision = script.mixed_precision or "as the script sets it"
+        return (
+            f"raytpu: launch {Path(script.path).name} as run {cfg.run.name} on {plan.facts.where}: "
+            f"{cfg.scaling.num_workers} {cfg.scaling.runtime} process(es), mixed precision {precision}"
+        )
     accum = f" x {batch.grad_accum} accumulation steps" if batch.grad_accum > 1 else ""
     compiled = f", torch.compile ({cfg.loop.compile_mode})" if cfg.loop.compile == "true" else ""
     return (
@@ -185,7 +199,7 @@ def local_offer() -> ClusterOffer:
     """This machine as ``--local`` sees it: its CPUs, GPUs and TPU device files (never torch_xla)."""
     import torch
 
-    from raytpu.runtime import tpu_present
+    from raytpu.runtime.tpu import tpu_present
 
     node = {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count()), "TPU": float(tpu_present())}
     return ClusterOffer(nodes=(node,), available=node, this_machine=True)
@@ -206,7 +220,7 @@ def train(
     instances = tuple(STARTED_HERE)  # Ray instances of this process that the command did not start
     stop = StopOnSignal(local=local)
     try:
-        plan = plan_run(cfg, job, "train", address, local, command, stop.spec)
+        plan = prepare(cfg, "train", job, address, local, command, stop.spec)
     except BaseException:
         leave(keep=instances)
         raise
@@ -289,6 +303,6 @@ def test(cfg: Config, job: Job, address: str | None = None) -> dict[str, float]:
     from raytpu.driver.ray_trainer import run_plan
 
     with ray_for_this_command():
-        plan = plan_run(cfg, job, "test", address)
+        plan = prepare(cfg, "test", job, address)
         result = run_plan(plan)
     return json.loads(RunFolder(located(plan, result.checkpoint)).read_text("test_metrics.json") or "{}")

@@ -101,7 +101,7 @@ def check_torchvision(torch_version: str | None, vision_version: str | None) -> 
 
 
 def collect_versions() -> dict[str, Any]:
-    names = ("torch", "torch_xla", "ray", "raytpu", "libtpu", "torchvision", "tensorflow")
+    names = ("torch", "torch_xla", "torch_tpu", "ray", "raytpu", "libtpu", "torchvision", "tensorflow")
     versions: dict[str, Any] = {"python": platform.python_version(), "python_executable": sys.executable}
     versions.update({name: package_version(name) for name in names})
     return versions
@@ -173,21 +173,29 @@ def probe_xla(timeout: float) -> dict[str, Any]:
     return {"ok": False, "error": f"exit code {done.returncode}: {tail}"}
 
 
-def auto_choice(tpu_chips: int, xla_installed: bool, cuda: dict[str, Any]) -> dict[str, Any]:
-    """What ``runtime: auto`` / ``precision: auto`` pick on this machine (same rules as the workers)."""
+def auto_choice(
+    tpu_chips: int, xla_installed: bool, cuda: dict[str, Any], torch_tpu_installed: bool = False
+) -> dict[str, Any]:
+    """What ``runtime: auto`` / ``precision: auto`` pick on this machine (each runtime's description
+    says what it needs: ``raytpu.runtime.kinds``)."""
     try:
-        from raytpu.runtime import pick_runtime, resolve_precision
-        from raytpu.runtime.base import AUTO_PRECISION_REASONS
+        from raytpu.runtime.kinds import Machine, by_auto_order
     except Exception as exc:
         return {"runtime": None, "precision": None, "error": one_line(exc)}
     tpu = tpu_chips > 0 or os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
-    runtime = pick_runtime("auto", tpu and xla_installed, bool(cuda.get("available")))
-    precision, _ = resolve_precision(runtime, "auto", bool(cuda.get("bf16")))
-    choice: dict[str, Any] = {"runtime": runtime, "precision": precision}
-    if tpu and not xla_installed:
-        choice["note"] = "a TPU is present but torch_xla is not installed: pip install 'raytpu[tpu]'"
-    elif runtime != "cpu":
-        choice["note"] = AUTO_PRECISION_REASONS[(runtime, precision)]
+    installed = {
+        name for name, present in (("torch_xla", xla_installed), ("torch_tpu", torch_tpu_installed)) if present
+    }
+    gpus = 1 if cuda.get("available") else 0
+    machine = Machine(max(tpu_chips, int(tpu)), gpus, bool(cuda.get("bf16", True)), frozenset(installed))
+    kind = next(kind for kind in by_auto_order() if kind.here(machine))
+    precision, _ = kind.precision("auto", machine.gpu_bf16)
+    choice: dict[str, Any] = {"runtime": kind.name, "precision": precision}
+    missing = [text for text in (other.missing_here(machine) for other in by_auto_order()) if text]
+    if missing:
+        choice["note"] = missing[0]
+    elif kind.accelerator:
+        choice["note"] = kind.auto_precision_reason(precision)
     return choice
 
 
@@ -242,8 +250,23 @@ def check_tensorflow(tensorflow_version: str | None, xla_version: str | None) ->
     return problem("tensorflow", message, blocking=False)
 
 
-def collect_conflicts(versions: dict[str, Any], lockfile: str = LIBTPU_LOCKFILE) -> list[dict[str, Any]]:
+def check_torch_tpu(torch_tpu_version: str | None, tpu_chips: int) -> dict[str, Any] | None:
+    """TorchTPU installed on a machine without TPU chips: it cannot run there (no CPU mode), and raytpu
+    keeps its autoload (seconds at every ``import torch``) off."""
+    if torch_tpu_version is None or tpu_chips:
+        return None
+    message = (
+        f"torch_tpu {torch_tpu_version} is installed but this machine has no TPU chips: TorchTPU has no CPU mode "
+        "(scaling.runtime=torch_tpu runs on TPU VMs only); raytpu keeps its autoload off here"
+    )
+    return problem("torch_tpu", message, blocking=False)
+
+
+def collect_conflicts(
+    versions: dict[str, Any], lockfile: str = LIBTPU_LOCKFILE, tpu_chips: int = 0
+) -> list[dict[str, Any]]:
     found = [
+        check_torch_tpu(versions.get("torch_tpu"), tpu_chips),
         check_tensorflow(versions.get("tensorflow"), versions.get("torch_xla")),
         check_torchvision(versions.get("torch"), versions.get("torchvision")),
         check_libtpu_lock(os.path.exists(lockfile), tpu_holders(lockfile)),
@@ -272,7 +295,7 @@ def collect_report(
     versions = collect_versions()
     match = check_torch_xla_match(versions["torch"], versions["torch_xla"])
     devices = {"tpu": tpu_devices(), "cuda": cuda_devices(), "cpu": cpu_devices()}
-    conflicts = collect_conflicts(versions)
+    conflicts = collect_conflicts(versions, tpu_chips=devices["tpu"]["chips"])
     if xla_probe and versions["torch_xla"] and not any(c["blocking"] for c in conflicts):
         devices["xla_probe"] = probe_xla(timeout)
     cluster = check_cluster(resolve_address(address), timeout)
@@ -281,7 +304,12 @@ def collect_report(
         "versions": versions,
         "torch_xla_match": match,
         "devices": devices,
-        "auto": auto_choice(devices["tpu"]["chips"], versions["torch_xla"] is not None, devices["cuda"]),
+        "auto": auto_choice(
+            devices["tpu"]["chips"],
+            versions["torch_xla"] is not None,
+            devices["cuda"],
+            versions["torch_tpu"] is not None,
+        ),
         "conflicts": conflicts,
         "cluster": cluster,
         "problems": problems,
@@ -364,11 +392,11 @@ def memory_estimate(path: str, overrides: list[str]) -> list[str]:
     """``raytpu doctor CONFIG``: the config's memory per device (``raytpu.config.memory``)."""
     from raytpu.config import load_config
     from raytpu.config.memory import estimate_lines
-    from raytpu.config.plan import elastic_note
+    from raytpu.config.plan import batch_plans, elastic_note
 
     cfg, job = load_config(path, overrides)
     lines = ["memory     " + line if index == 0 else line for index, line in enumerate(estimate_lines(cfg, job))]
-    return lines + [f"workers    {note}" for note in elastic_note(cfg)]
+    return lines + [f"workers    {note}" for note in elastic_note(cfg, batch_plans(cfg))]
 
 
 if __name__ == "__main__":

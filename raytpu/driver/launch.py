@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import threading
@@ -24,12 +23,12 @@ from typing import Any
 
 from raytpu.config import CheckpointSettings, Config, RunSettings, ScalingSettings, build_dataclass, with_values
 from raytpu.config.loading import expand_file_ranges, profile_window
-from raytpu.config.plan import Facts, Plan, ScriptPlan, anchored, make_plan
+from raytpu.config.plan import Plan, ScriptPlan
 from raytpu.config.validation import check_number, check_profile
 from raytpu.errors import ConfigError, RunFailed
 from raytpu.records import goodput
 from raytpu.records.goodput import Command
-from raytpu.records.relay import last_state_number
+from raytpu.runtime.kinds import kind_of
 from raytpu.storage.filesystems import join
 from raytpu.storage.run_folder import RunFolder
 
@@ -145,8 +144,11 @@ def check(settings: LaunchSettings) -> None:
         raise ConfigError(f"script {settings.script!r} not found; give the path of the training script to run")
     if settings.mixed_precision and settings.mixed_precision not in PRECISIONS:
         raise ConfigError(f"--mixed_precision {settings.mixed_precision!r} is not one of {', '.join(PRECISIONS)}")
-    if settings.scaling.runtime not in ("auto", "cpu", "cuda", "xla"):
-        raise ConfigError(f"--runtime {settings.scaling.runtime!r} is not one of auto, cpu, cuda, xla")
+    if settings.scaling.runtime != "auto":
+        try:
+            kind_of(settings.scaling.runtime)
+        except ConfigError as exc:
+            raise ConfigError(in_launch_words(str(exc))) from None
     check_number("--num_processes", settings.scaling.num_workers, (1, True))
     if settings.scaling.min_workers:
         raise ConfigError(
@@ -185,20 +187,10 @@ def main(args: Any, address: str | None, started: float | None = None) -> int:
 
 
 def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, float], command: Command) -> Plan:
-    """The checks, the cluster joined, and the launch's plan (the script's own, and its processes'),
-    made by the one plan function; ``marks`` gets when the driver began and ended joining Ray."""
-    from raytpu.cluster.capacity import read_offer
-    from raytpu.cluster.connect import check_reachable, connect, joined, joined_here
-    from raytpu.driver import preflight
-    from raytpu.driver.commands import print_notes
-    from raytpu.driver.preflight import check_placement
+    """The launch prepared as every command is (:func:`raytpu.driver.commands.prepare`): the
+    script's plan beside the run's; ``marks`` gets when the driver began and ended joining Ray."""
+    from raytpu.driver.commands import prepare
 
-    preflight.check_storage(settings.config)
-    cfg = anchored(settings.config)
-    check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
-    marks["connect"] = time.time()
-    connect(address, verbose=cfg.logging.verbose)
-    marks["connected"] = time.time()
     script = ScriptPlan(
         path=str(Path(settings.script).resolve()),
         args=settings.script_args,
@@ -206,26 +198,28 @@ def plan_launch(settings: LaunchSettings, address: str | None, marks: dict[str, 
         mixed_precision=settings.mixed_precision,
         gradient_accumulation_steps=settings.gradient_accumulation_steps,
         state=f"raytpu-launch-{uuid.uuid4().hex[:12]}",
-        last_checkpoint=last_state_number(checkpoint_names(RunFolder(join(cfg.run.storage_path, cfg.run.name)))),
     )
-    facts = Facts(
-        mode="launch",
-        offer=read_offer(this_machine=joined_here()),
-        where=joined(),
-        command=command.id,
-        started=command.started,
-        script=script,
-    )
-    plan = make_plan(cfg, facts)
-    check_placement(plan)
-    print_notes(plan)
-    runtime = plan.config.scaling.runtime
-    print(
-        f"raytpu: launch {settings.script} as run {cfg.run.name}: {plan.config.scaling.num_workers} {runtime} "
-        f"process(es), mixed precision {plan.script.mixed_precision or 'as the script sets it'}",
-        flush=True,
-    )
-    return plan
+    try:
+        return prepare(settings.config, "launch", address=address, command=command, script=script, marks=marks)
+    except ConfigError as exc:
+        raise ConfigError(in_launch_words(str(exc))) from None
+
+
+#: the config keys a refusal names -> the ``raytpu launch`` option that sets them
+OPTION_OF = {
+    "scaling.num_workers=": "--num_processes ",
+    "scaling.runtime=": "--runtime ",
+    "scaling.cpus_per_worker=": "--cpus-per-worker ",
+}
+
+
+def in_launch_words(message: str) -> str:
+    """A refusal written for ``raytpu train`` in the options of ``raytpu launch`` (whose script
+    batches as it likes: no global batch to keep)."""
+    message = message.replace(" (the global batch stays the same)", "").replace("the global batch stays the same; ", "")
+    for key, option in OPTION_OF.items():
+        message = message.replace(key, option)
+    return message
 
 
 def launch_on_ray(plan: Plan, marks: dict[str, float]) -> int:
@@ -295,15 +289,3 @@ class ConsoleRelay:
                 out.buffer.flush()
             else:  # a text stream put in its place (redirect_stdout)
                 out.write(chunk.decode(errors="replace"))
-
-
-def checkpoint_names(run_dir: RunFolder) -> list[str]:
-    """The checkpoint folders a run already has: in its folder, and in the list Ray Train keeps
-    of them (``checkpoint_manager_snapshot.json``), which may name one a crash left unwritten."""
-    names = run_dir.children()
-    try:
-        snapshot = json.loads(run_dir.read_text("checkpoint_manager_snapshot.json") or "{}")
-        names += [str(result.get("checkpoint_dir_name", "")) for result in snapshot.get("checkpoint_results", [])]
-    except (OSError, ValueError, AttributeError):
-        pass  # an unreadable snapshot: Ray Train itself reports it when the run starts
-    return names

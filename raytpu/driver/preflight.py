@@ -21,15 +21,15 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from raytpu.cluster.connect import check_reachable, one_line
-from raytpu.config import Config, ConfigError, with_values
-from raytpu.config.batching import worker_range
+from raytpu.config import Config, ConfigError
 from raytpu.config.origins import typed_on_command_line
-from raytpu.config.plan import Plan, tracking
+from raytpu.config.plan import Plan, tracking, worker_range
 from raytpu.errors import RunFailed
 from raytpu.job import Job, Synthesizes
 from raytpu.records import checkpoints as ckpt
 from raytpu.records import summary as run_summary
-from raytpu.runtime.placement import Bundle, ClusterOffer, Fit, Placement, judge_fit
+from raytpu.runtime.kinds import kind_of
+from raytpu.runtime.placement import Bundle, ClusterOffer, Fit, judge_fit
 from raytpu.storage.filesystems import check_location, diagnose, filesystem, is_remote
 from raytpu.storage.run_folder import RunFolder
 
@@ -41,9 +41,11 @@ BUCKET_TIMEOUT_S = 30.0
 
 
 # ---------------------------------------------------------------------- files
-def check_run(cfg: Config, job: Job, mode: str, address: str | None, local: bool) -> tuple[Path, dict[str, int]]:
+def check_run(
+    cfg: Config, job: Job | None, mode: str, address: str | None, local: bool
+) -> tuple[Path | None, dict[str, int]]:
     """Every check that needs no cluster, in the order a user fixes them; the data root and the
-    size of each split the run reads."""
+    size of each split the run reads (none for ``raytpu launch``, whose script reads its own)."""
     if local and address:
         raise ConfigError("--local runs without Ray: drop --address (or drop --local to use the cluster)")
     if mode == "test" and not cfg.checkpoint.weights:
@@ -57,7 +59,9 @@ def check_run(cfg: Config, job: Job, mode: str, address: str | None, local: bool
     check_storage(cfg)
     check_weights(cfg)
     if mode == "train":
-        check_trackers(with_values(cfg, tracking(cfg)))
+        check_trackers(cfg)
+    if job is None:
+        return None, {}
     data_root = resolve_data_root(cfg, job, synthesize=None if mode == "train" else False)
     return data_root, check_data(cfg, job, data_root, mode)
 
@@ -65,14 +69,14 @@ def check_run(cfg: Config, job: Job, mode: str, address: str | None, local: bool
 def check_trackers(cfg: Config, timeout_s: float = 10.0) -> None:
     """Each tracker of ``logging.report_to`` installed, an MLflow server that answers its health
     check, and W&B online only with a login: else one line, before anything starts."""
-    log = cfg.logging
+    log, found = cfg.logging, tracking(cfg)  # the settings as the workers get them
     for name in ("mlflow", "wandb"):
         if name in log.report_to and importlib.util.find_spec(name) is None:
             raise ConfigError(
                 f"logging.report_to: {name} is not installed: pip install 'raytpu[{name}]', or leave {name} out "
                 "of --report_to / logging.report_to"
             )
-    uri = log.mlflow_tracking_uri
+    uri = found.get("logging.mlflow_tracking_uri", log.mlflow_tracking_uri)
     if "mlflow" in log.report_to and uri.startswith(DATABASE_STORES) and importlib.util.find_spec("sqlalchemy") is None:
         raise ConfigError(
             f"logging.report_to: MLflow's store {uri.split(':')[0]}:// needs sqlalchemy and alembic, which "
@@ -86,7 +90,8 @@ def check_trackers(cfg: Config, timeout_s: float = 10.0) -> None:
                 f"the MLflow tracking server at {uri} does not answer ({one_line(exc)}): start it (mlflow server), "
                 "or point MLFLOW_TRACKING_URI / logging.mlflow_tracking_uri at one that runs"
             ) from None
-    if "wandb" in log.report_to and log.wandb_mode == "online" and not wandb_logged_in():
+    wandb_mode = found.get("logging.wandb_mode", log.wandb_mode)
+    if "wandb" in log.report_to and wandb_mode == "online" and not wandb_logged_in():
         raise ConfigError(
             "W&B online needs a login on every node: set WANDB_API_KEY (or run wandb login), or run with "
             "WANDB_MODE=offline / logging.wandb_mode=offline and sync later (wandb sync)"
@@ -219,41 +224,11 @@ def check_local(cfg: Config) -> None:
         )
     if cfg.data.loader == "ray":
         raise ConfigError("--local runs without Ray: data.loader=ray needs it; use data.loader=torch or drop --local")
-    if cfg.scaling.runtime == "xla" and cfg.scaling.num_workers > 1:
-        raise ConfigError("--local with runtime=xla runs one worker (use xla.spmd=true for several devices)")
     if worker_range(cfg):
         raise ConfigError(
             f"--local runs a fixed number of processes: scaling.num_workers={cfg.scaling.min_workers}:"
             f"{cfg.scaling.num_workers} (an elastic range) needs Ray (drop --local), or give one size"
         )
-
-
-def check_local_accelerators(placement: Placement, offer: ClusterOffer) -> None:
-    """``--local``: every process of a cuda run drives a GPU of this machine of its own."""
-    if placement.runtime != "cuda":
-        return
-    gpus = offer.up("GPU")
-    if not gpus:
-        raise ConfigError("scaling.runtime=cuda but this machine has no GPU; use scaling.runtime=auto (or cpu)")
-    if placement.num_workers > gpus:
-        raise ConfigError(
-            f"{placement.num_workers} cuda workers need {placement.num_workers} GPUs but this machine has {gpus:g}: "
-            f"set scaling.num_workers={gpus:g} (the global batch stays the same), or scaling.runtime=cpu"
-        )
-
-
-def check_sharded_workers(cfg: Config, runtime: str, accelerators: dict[str, float]) -> None:
-    """FSDPv2 across several xla workers needs XLA collectives between them (TPU hosts, GPUs).
-    Workers on the CPU PJRT device have none: their sharded gradients would be gathered to
-    the host for gloo, a new graph per gradient at every step, until LLVM runs out of memory."""
-    xla = cfg.xla
-    sharded = runtime == "xla" and xla.spmd and xla.mesh.fsdp != 1
-    if not sharded or cfg.scaling.num_workers == 1 or any(accelerators.values()):
-        return
-    raise ConfigError(
-        f"FSDPv2 (xla.mesh.fsdp={xla.mesh.fsdp}) over {cfg.scaling.num_workers} workers of the CPU PJRT device: "
-        "they share no XLA collectives; run scaling.num_workers=1, which drives all CPU_NUM_DEVICES devices"
-    )
 
 
 # ------------------------------------------------------------------ data
@@ -316,16 +291,24 @@ def check_fit(bundles: Sequence[Bundle], what: str, offer: ClusterOffer) -> Fit:
 
 
 def check_resume_sharding(plan: Plan) -> None:
-    """A run resumed with another sharding than its newest checkpoint was written with is one line:
-    the files differ (each rank's shards, or one model file), and resuming would fail on a worker."""
+    """A run resumed with another sharding than its newest checkpoint was written with is one line
+    where the runtime lays them out apart (each rank's shards, or one model file), and resuming
+    would fail on a worker. A launch never shards through raytpu: a run folder of sharded
+    checkpoints (a ``raytpu train`` run's name) is refused the same way."""
     cfg = plan.config
-    if plan.mode != "train" or not cfg.checkpoint.resume or cfg.scaling.runtime == "xla":
+    laid_apart = kind_of(cfg.scaling.runtime).sharded_checkpoints_differ
+    if plan.mode not in ("train", "launch") or not cfg.checkpoint.resume or not laid_apart:
         return
     folder = RunFolder(plan.run_dir)
     found = run_summary.checkpoints(folder)
     if not found:
         return
     newest, sharded = found[-1], cfg.sharding.strategy != "none"
+    if plan.mode == "launch" and newest.get("sharded"):
+        raise ConfigError(
+            f"{folder.uri(newest['name'])} was written by a sharded raytpu train run and a launched script "
+            f"is not sharded by raytpu: give the launch its own --name (this one is run {cfg.run.name}'s)"
+        )
     if bool(newest.get("sharded")) != sharded:
         written = "sharded" if newest.get("sharded") else "unsharded"
         raise ConfigError(
@@ -337,11 +320,13 @@ def check_resume_sharding(plan: Plan) -> None:
 
 
 def check_placement(plan: Plan) -> None:
-    """The plan's workers against what the cluster (or this machine) has and can start."""
+    """The plan's workers against what they need of each other, and what the cluster (or, with
+    ``--local``, this machine) has and can start (the runtime's description says what it needs)."""
     cfg, offer = plan.config, plan.facts.offer
-    check_sharded_workers(cfg, cfg.scaling.runtime, {k: float(offer.offers(k)) for k in ("TPU", "GPU")})
+    kind = kind_of(cfg.scaling.runtime)
+    kind.check_workers(cfg, offer)
     if plan.facts.local:
-        check_local_accelerators(plan.placement, offer)
+        kind.check_local(cfg, offer)
         return
     from raytpu.driver.ray_trainer import worker_bundles, workers_text
 

@@ -12,12 +12,11 @@ import threading
 from typing import Any
 
 from raytpu.config import Config
-from raytpu.config.batching import elastic_plans, worker_range
-from raytpu.config.plan import Plan, devices_per_worker, elastic_sizes
+from raytpu.config.plan import Plan, batch_plans, worker_range
 from raytpu.errors import RunFailed
 from raytpu.records.batches import ray_max_failures
+from raytpu.runtime.kinds import kind_of
 from raytpu.runtime.placement import Bundle
-from raytpu.runtime.tpu import check_num_workers, slice_spec, workers_for_layout
 from raytpu.storage.filesystems import filesystem, is_remote
 
 #: Ray Train's resize monitor of an elastic run, which raytpu leaves idle: it would stop a growing
@@ -26,32 +25,15 @@ NEVER_S = 10.0**9
 
 
 def scaling_kwargs(cfg: Config) -> dict[str, Any]:
-    """``ScalingConfig`` arguments. On a TPU slice (``scaling.tpu.accelerator_type`` set) Ray
-    gang-schedules the whole slice: one worker per host (spmd) or per chip (multiprocess),
-    checked against ``num_workers`` here."""
+    """``ScalingConfig`` arguments: the worker count (an elastic run's range), and what each worker
+    asks for as its runtime's description says (a GPU; a TPU host's or chip's chips, or a whole
+    slice Ray gang-schedules, checked against ``num_workers``)."""
     resources = {"CPU": cfg.scaling.cpus_per_worker, **cfg.scaling.resources_per_worker}
     sizes = worker_range(cfg)
-    kwargs: dict[str, Any] = {
-        "num_workers": sizes or cfg.scaling.num_workers,
-        "use_gpu": cfg.scaling.runtime == "cuda",
-        "resources_per_worker": resources,
-    }
+    kwargs: dict[str, Any] = {"num_workers": sizes or cfg.scaling.num_workers}
     if sizes:  # Ray restarts the group at what fits after a loss; raytpu grows it at checkpoints
         kwargs["elastic_resize_monitor_interval_s"] = NEVER_S
-    tpu = cfg.scaling.tpu
-    if cfg.scaling.runtime == "xla" and resources.get("TPU"):  # one worker's chips (raytpu.runtime.placement)
-        kwargs["use_tpu"] = True
-    if cfg.scaling.runtime == "xla" and tpu.accelerator_type:
-        spec = slice_spec(tpu.accelerator_type, tpu.topology)
-        check_num_workers(spec, tpu.layout, cfg.scaling.num_workers, tpu.slices)
-        _, tpu_resources = workers_for_layout(spec, tpu.layout)
-        kwargs.update(
-            use_tpu=True,
-            topology=spec.topology,
-            accelerator_type=spec.accelerator_type,
-            resources_per_worker={**resources, **tpu_resources},
-        )
-    return kwargs
+    return {**kwargs, **kind_of(cfg.scaling.runtime).scaling(cfg, resources)}
 
 
 def worker_bundles(cfg: Config, smallest: bool = False) -> list[Bundle]:
@@ -78,7 +60,6 @@ def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from raytpu.runtime.ray_backend import torch_config
     from raytpu.worker.entry import ray_entry
 
     cfg = plan.config
@@ -95,8 +76,7 @@ def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
     if sizes:  # losses and growths are retried without limit; the watch keeps the failure budget
         from raytpu.cluster.elastic import ElasticWatch
 
-        plans = elastic_plans(cfg, elastic_sizes(cfg), devices_per_worker(cfg))
-        accumulation = {workers: batch.grad_accum for workers, batch in plans.items()}
+        accumulation = {workers: batch.grad_accum for workers, batch in batch_plans(cfg).items()}
         limit, global_batch = cfg.scaling.node_start_timeout_s, cfg.data.global_batch_size
         callbacks.append(ElasticWatch(plan.run_dir, plan.facts.command, accumulation, global_batch, failures, limit))
         failures = -1
@@ -113,7 +93,7 @@ def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
         ray_entry,
         train_loop_config=plan.as_dict(),
         scaling_config=ScalingConfig(**scaling_kwargs(cfg)),
-        torch_config=torch_config(cfg.scaling.runtime, cfg.logging.verbose),
+        torch_config=kind_of(cfg.scaling.runtime).torch_config(cfg.logging.verbose),
         run_config=run_config,
         **datasets,
     )

@@ -282,13 +282,15 @@ def main(config: str, overrides: list[str]) -> int:
     project = Path.cwd()
     if config == "launch":
         address, wait, cfg, command = launch_entrypoint(overrides)
-        ship = Shipment(config)
     else:
         address, wait, overrides = split_args(overrides)
         cfg, _ = load_config(config, overrides)  # a bad key fails here, before anything is uploaded
+    check_location(cfg.run.storage_path, "run.storage_path")  # the cluster checks that it can write there
+    if config == "launch":
+        ship = Shipment(config)
+    else:  # the data and the job module, once the storage is one the cluster may be given
         ship = shipment(cfg, job_module(cfg.job.name), config, project)
         command = entrypoint(ship.config, overrides)
-    check_location(cfg.run.storage_path, "run.storage_path")  # the cluster checks that it can write there
     url = dashboard_url(address)
     client = connect(url)
     for note in ship.notes:

@@ -28,9 +28,8 @@ from raytpu.cluster.capacity import read_offer
 from raytpu.cluster.connect import joined_here, one_line, ray_for_this_command
 from raytpu.config import Config, ConfigError, TuneSettings, dump_yaml, with_values
 from raytpu.config.args import extract
-from raytpu.config.batching import worker_range
 from raytpu.config.loading import read_config
-from raytpu.config.plan import Plan, storage_of
+from raytpu.config.plan import Plan, storage_of, worker_range
 from raytpu.driver.ray_trainer import ray_storage, wait_for_workers, worker_bundles
 from raytpu.driver.search import Search, parse_search, searches_of
 from raytpu.job import Job
@@ -253,7 +252,7 @@ def sweep(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
     """Run (or resume) the sweep; write the table, ``results.csv`` and ``best.yaml``."""
     from ray import tune
 
-    from raytpu.driver.commands import plan_run
+    from raytpu.driver.commands import prepare
 
     if worker_range(cfg):
         raise ConfigError(
@@ -261,7 +260,7 @@ def sweep(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
             f"{cfg.scaling.num_workers} is an elastic range, for raytpu train; give one size (scaling.num_workers=N)"
         )
     searches = searches_of(cfg)
-    plan = plan_run(cfg, job, "train", address)
+    plan = prepare(cfg, "train", job, address)
     sweep = Sweep(cfg, job, searches, plan.facts.data_root)
     concurrent = max_concurrent_trials(plan.config, read_offer(this_machine=joined_here()).capacities())
     runs = join(sweep.dir, "runs")

@@ -5,10 +5,13 @@ failure, rank 0's console for the driver's) and the names of the launched run's 
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterable
 from typing import Any
+
+from raytpu.storage.run_folder import RunFolder
 
 #: environment variable naming the run's launch-state actor inside a launched script
 STATE_ENV = "RAYTPU_LAUNCH_STATE"
@@ -110,3 +113,15 @@ class LaunchState:
 
     def failure(self) -> tuple[int, int, str] | None:
         return self.failed
+
+
+def checkpoint_names(run_dir: RunFolder) -> list[str]:
+    """The checkpoint folders a run already has: in its folder, and in the list Ray Train keeps
+    of them (``checkpoint_manager_snapshot.json``), which may name one a crash left unwritten."""
+    names = run_dir.children()
+    try:
+        snapshot = json.loads(run_dir.read_text("checkpoint_manager_snapshot.json") or "{}")
+        names += [str(result.get("checkpoint_dir_name", "")) for result in snapshot.get("checkpoint_results", [])]
+    except (OSError, ValueError, AttributeError):
+        pass  # an unreadable snapshot: Ray Train itself reports it when the run starts
+    return names

@@ -1,8 +1,9 @@
-"""Device backends: the only place that knows cpu vs cuda vs xla.
+"""Device backends: the only place that knows cpu vs cuda vs xla vs TorchTPU.
 
-A :class:`Runtime` turns a device-agnostic model, optimizer and data loader into a running
-data-parallel step on one worker (``base``: the interface and the policies; ``torch_ddp``: cpu
-and cuda; ``xla``: PyTorch/XLA, imported only when asked for). ``make_runtime`` picks one.
+What a runtime means on the driver's side is its description (``kinds``: a :class:`RuntimeKind`
+per runtime, in ``builtin`` and ``torch_tpu``); on a worker it is a :class:`Runtime` (``base``: the
+interface; ``torch_ddp`` and ``torch_fsdp``: the native PyTorch stack of cpu, cuda and TorchTPU;
+``xla``: PyTorch/XLA, imported only when asked for), made by :func:`make_runtime`.
 """
 
 from __future__ import annotations
@@ -11,27 +12,19 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from raytpu.runtime.base import (
-    Runtime,
-    batchnorm_scope,
-    clip_or_measure,
-    local_gpu_has_bf16,
-    pick_runtime,
-    resolve_precision,
-    tpu_present,
-)
-from raytpu.runtime.torch_ddp import DDPRuntime
+from raytpu.runtime.base import Runtime, batchnorm_scope, clip_or_measure
+from raytpu.runtime.kinds import RuntimeKind, compiles, kind_of, precision_reason, resolve_precision
 
 __all__ = [
     "Runtime",
+    "RuntimeKind",
     "batchnorm_scope",
     "clip_or_measure",
+    "compiles",
+    "kind_of",
     "make_runtime",
-    "pick_runtime",
+    "precision_reason",
     "resolve_precision",
-    "tpu_present",
 ]
 
 
@@ -51,23 +44,12 @@ def make_runtime(
     """Build the plan's runtime on this worker. What only the device can tell is decided here, once:
     a GPU without bf16 runs ``bf16`` as fp16 with a gradient scaler (said through ``warn``; the
     worker records what ran). ``compile_cache``: XLA's persistent cache folder ("" or "none": none);
-    ``compile_mode``: torch.compile's mode on cpu and cuda ("": eager); ``tf32``: on cuda;
-    ``sharding``: the ``sharding`` settings (FSDP2 on cpu and cuda when its strategy shards)."""
-    if runtime == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "scaling.runtime=cuda but this worker sees no GPU: check the node's GPU (nvidia-smi, "
-            "CUDA_VISIBLE_DEVICES), or run with scaling.runtime=cpu"
-        )
-    bf16_ok = runtime != "cuda" or local_gpu_has_bf16()
-    resolved, message = resolve_precision(runtime, precision, bf16_ok)
+    ``compile_mode``: torch.compile's mode on the native stack ("": eager); ``tf32``: on cuda;
+    ``sharding``: the ``sharding`` settings (FSDP2 on the native stack when its strategy shards)."""
+    kind = kind_of(runtime)
+    kind.check_worker()
+    resolved, message = kind.precision(precision, kind.local_bf16())
     if message:
         warn(message)
-    if runtime == "xla":
-        from raytpu.runtime.xla import XLARuntime  # imports torch_xla: only on XLA workers
-
-        return XLARuntime(resolved, world_size, rank, local_rank, xla_options, compile_cache, sharding)
-    if sharding is not None and sharding.strategy != "none":
-        from raytpu.runtime.torch_fsdp import FSDPRuntime
-
-        return FSDPRuntime(runtime, resolved, world_size, rank, local_rank, compile_mode, tf32, sharding)
-    return DDPRuntime(runtime, resolved, world_size, rank, local_rank, compile_mode, tf32)
+    options = {"xla": xla_options, "compile_cache": compile_cache, "compile_mode": compile_mode, "tf32": tf32}
+    return kind.make(resolved, world_size, rank, local_rank, {**options, "sharding": sharding})

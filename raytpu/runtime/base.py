@@ -1,10 +1,11 @@
-"""The :class:`Runtime` interface and the device policies (runtime, precision, BatchNorm scope)
-as pure functions, so that they are tested without any device."""
+"""The :class:`Runtime` interface (one worker's device, precision and data-parallel plumbing) and
+its policies as pure functions (BatchNorm's scope, a GPU's bf16), tested without any device. What
+each runtime means on the driver's side is its description: ``raytpu.runtime.kinds``."""
 
 from __future__ import annotations
 
 import contextlib
-import os
+import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,19 +16,6 @@ from torch import nn
 
 from raytpu.runtime.profiling import profiler as profiler_for
 from raytpu.runtime.profiling import step_mark
-
-
-def pick_runtime(requested: str, tpu_present: bool, cuda_present: bool) -> str:
-    """``auto`` -> xla if a TPU is present, else cuda if a GPU is, else cpu."""
-    if requested != "auto":
-        return requested
-    if tpu_present:
-        return "xla"
-    return "cuda" if cuda_present else "cpu"
-
-
-#: GPUs without bf16 (before Ampere), by the names Ray gives them (``accelerator_type:<name>``)
-GPUS_WITHOUT_BF16 = frozenset({"K80", "M60", "P4", "P40", "P100", "V100", "T4"})
 
 #: the first CUDA compute capability with bf16 tensor cores (Ampere)
 BF16_CAPABILITY = (8, 0)
@@ -45,50 +33,68 @@ def local_gpu_has_bf16(device: int | None = None) -> bool:
     return has_bf16(torch.cuda.get_device_capability(device))
 
 
-#: why ``precision: auto`` picked what it did, per runtime and precision (the header, ``raytpu doctor``)
-AUTO_PRECISION_REASONS = {
-    ("xla", "bf16"): "TPUs compute in bf16",
-    ("cuda", "bf16"): "bf16 autocast with fp32 weights, as on every GPU since Ampere",
-    ("cuda", "fp16"): "this GPU has no bf16: fp16 autocast with a gradient scaler",
-    ("cpu", "fp32"): "CPUs train in fp32",
+# ------------------------------------------------------------------ GPUs: their peaks and memory by kind
+#: GPU name pattern (matched against ``torch.cuda.get_device_name``, lower case) -> dense bf16
+#: FLOP/s; the first match wins, so variants come before their family
+GPU_PEAK_FLOPS = [
+    (r"\bh100\b.*\bpcie\b", 756e12),
+    (r"\bh[12]00\b.*\bnvl\b", 835e12),
+    (r"\bh[12]00\b", 989e12),
+    (r"\ba100\b", 312e12),
+    (r"\ba10g\b", 70e12),
+    (r"\bl4\b", 121e12),
+]
+
+#: memory of each GPU, by the names Ray gives them (``accelerator_type:<name>``) and by the words
+#: of ``torch.cuda.get_device_name`` (``NVIDIA H100 80GB HBM3``), in GB
+GPU_MEMORY_GB = {
+    "H200": 141,
+    "H100": 80,
+    "H20": 96,
+    "B200": 180,
+    "GH200": 96,
+    "A100-80G": 80,
+    "A100-40G": 40,
+    "A100": 40,
+    "L40S": 48,
+    "L40": 48,
+    "L4": 24,
+    "A10G": 24,
+    "A10": 24,
+    "T4": 16,
+    "V100": 16,
+    "P100": 16,
 }
 
-
-def resolve_precision(runtime: str, requested: str, bf16_supported: bool = True) -> tuple[str, str | None]:
-    """Return ``(precision, warning)`` for a runtime: the precision policy.
-
-    auto: bf16 on xla; on cuda bf16 (autocast, fp32 master weights) where the GPU has it (Ampere
-    and newer), else fp16 with a GradScaler; fp32 on cpu. fp16 asked on xla becomes bf16 with a
-    warning (TPUs have no fp16 autocast); fp16 on cpu becomes fp32; bf16 on a GPU without bf16
-    becomes fp16.
-    """
-    if requested == "auto":
-        if runtime == "cuda":
-            return ("bf16" if bf16_supported else "fp16"), None
-        return {"xla": "bf16", "cpu": "fp32"}[runtime], None
-    if runtime == "xla" and requested == "fp16":
-        return "bf16", "precision fp16 is not supported on XLA/TPU; using bf16 instead"
-    if runtime == "cpu" and requested == "fp16":
-        return "fp32", "precision fp16 needs a GPU; using fp32 on the cpu runtime"
-    if runtime == "cuda" and requested == "bf16" and not bf16_supported:
-        return "fp16", "this GPU has no bf16 support; using fp16 with a gradient scaler"
-    return requested, None
+#: GPUs without bf16 (before Ampere), by the names Ray gives them (``accelerator_type:<name>``)
+GPUS_WITHOUT_BF16 = frozenset({"K80", "M60", "P4", "P40", "P100", "V100", "T4"})
 
 
-def precision_reason(runtime: str, requested: str, precision: str) -> str:
-    """Why a run computes at ``precision``, in a few words: ``auto -> bf16: <reason>``."""
-    if requested != "auto":
-        return precision if requested == precision else f"{requested} -> {precision}: not available on {runtime}"
-    return f"auto -> {precision}: {AUTO_PRECISION_REASONS.get((runtime, precision), 'the runtime default')}"
+def gpu_peak_flops(name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of the GPU ``name`` (``NVIDIA H100 80GB HBM3``), None if unknown."""
+    lowered = name.lower()
+    return next((peak for pattern, peak in GPU_PEAK_FLOPS if re.search(pattern, lowered)), None)
 
 
-def compiles(runtime: str, requested: str) -> bool:
-    """``loop.compile``: whether the model goes through ``torch.compile``. ``auto`` compiles on cuda,
-    where a step gains a third and more once its kernels are fused; on the CPU the compile costs
-    more than a short run wins back, and XLA compiles every step already."""
-    if requested == "auto":
-        return runtime == "cuda"
-    return requested == "true"
+def memory_of(kind: str) -> float | None:
+    """A GPU's memory in GB from its name: the size it states (``NVIDIA H100 80GB HBM3``), else the table."""
+    words = kind.replace("-", " ").split()
+    for word in words:
+        if word.upper().endswith("GB") and word[:-2].isdigit():
+            return float(word[:-2])
+    if kind in GPU_MEMORY_GB:
+        return float(GPU_MEMORY_GB[kind])
+    upper = {word.upper() for word in words}
+    for name, memory in GPU_MEMORY_GB.items():
+        if name in upper:
+            return float(memory)
+    return None
+
+
+def device_memory_gb(kinds: set[str] | frozenset[str] | list[str]) -> float | None:
+    """The smallest memory of the GPUs named (Ray's names or CUDA's), or None when none is known."""
+    found = [memory for memory in (memory_of(kind) for kind in kinds) if memory is not None]
+    return min(found) if found else None
 
 
 def batchnorm_scope(runtime: str, requested: str, spmd: bool, world_size: int) -> str:
@@ -98,7 +104,7 @@ def batchnorm_scope(runtime: str, requested: str, spmd: bool, world_size: int) -
     * xla with SPMD: always global (the batch is one sharded tensor; XLA reduces the statistics);
     * xla with one device per worker: local (cross-worker BatchNorm is not offered there);
     * cuda: ``auto`` / ``true`` -> global with ``torch.nn.SyncBatchNorm``; ``false`` -> local;
-    * cpu: ``true`` -> global with :class:`~raytpu.runtime.batchnorm.GlobalBatchNorm` (one gloo
+    * cpu: ``true`` -> global with :class:`~raytpu.runtime.torch_ddp.GlobalBatchNorm` (one gloo
       all-reduce per layer); ``auto`` / ``false`` -> local, the cheaper choice on CPU.
 
     One worker holding the whole batch is global whatever is asked.
@@ -117,13 +123,6 @@ def batchnorm_scope(runtime: str, requested: str, spmd: bool, world_size: int) -
     if requested == "true" or (requested == "auto" and runtime == "cuda"):
         return "global"
     return "local"
-
-
-def tpu_present() -> bool:
-    """A TPU VM, told by its device files or env, without initialising torch_xla."""
-    if os.environ.get("PJRT_DEVICE", "").upper() == "TPU" or os.environ.get("TPU_ACCELERATOR_TYPE"):
-        return True
-    return any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0"))
 
 
 class RecompileError(RuntimeError):
@@ -180,9 +179,13 @@ class Runtime:
         """The worker's device as its vendor names it (``NVIDIA H100 80GB HBM3``, ``v5litepod-8``)."""
         return self.device.type
 
+    def on_accelerator(self) -> bool:
+        """Whether the worker's device is an accelerator (a GPU, a TPU chip), not a host CPU."""
+        return self.device_kind().lower() != "cpu"
+
     def device_peak_flops(self) -> float | None:
-        """Documented dense bf16 peak FLOP/s of one device (``raytpu.runtime.peaks``); None when
-        unknown, and on CPUs, which have no such figure."""
+        """Documented dense bf16 peak FLOP/s of one device (its runtime's description says it:
+        ``raytpu.runtime.builtin``); None when unknown, and on CPUs, which have no such figure."""
         return None
 
     def peak_flops(self) -> float | None:

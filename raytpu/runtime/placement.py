@@ -14,8 +14,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 Bundle = dict[str, float]
-#: the accelerator resource each runtime's workers ask Ray for
-ACCELERATOR = {"xla": "TPU", "cuda": "GPU"}
 #: resources compared between what a run asks and what nodes have
 CHECKED = ("CPU", "GPU", "TPU")
 
@@ -115,37 +113,36 @@ def place(
 ) -> Placement:
     """The placement of ``num_workers`` workers of runtime ``requested`` (maybe ``auto``) on ``offer``,
     ``layout`` being ``scaling.tpu.layout`` and ``slice_named`` whether ``scaling.tpu`` names a slice
-    (which then sets each worker's TPU share itself). xla where no TPU is up or can start runs on the
-    CPU PJRT device on this machine, or where ``xla_on_cpu`` (``PJRT_DEVICE=CPU`` on the driver)
-    asks for it; on a cluster it is otherwise a ValueError: the user asked for a TPU."""
+    (which then sets each worker's TPU share itself). A runtime whose accelerator the cluster has
+    and can start none of says what then (its description's ``no_devices``: xla runs on the CPU
+    PJRT device on this machine, or where ``xla_on_cpu`` asks for it; elsewhere a ValueError: the
+    user asked for a device that is not there)."""
+    from raytpu.runtime.kinds import kind_of
+
     runtime, why = choose_runtime(requested, offer)
+    kind = kind_of(runtime)
     workers, note = num_workers, ""
     if requested == "auto":
-        workers = workers_this_machine_holds(runtime, num_workers, offer)
+        workers = workers_this_machine_holds(kind.accelerator, num_workers, offer)
         if workers < num_workers:
-            unit = f"{offer.up('GPU'):g} GPU" if runtime == "cuda" else "1 TPU host"
+            unit = f"{offer.up('GPU'):g} GPU" if kind.accelerator == "GPU" else "1 TPU host"
             note = (
                 f"this machine has {unit} for scaling.num_workers={num_workers}: running {workers} {runtime} "
                 f"worker(s) (the global batch stays the same; scaling.runtime=cpu runs {num_workers} CPU workers)"
             )
     chips, tpu_slice = 0, ("", "")
-    if runtime == "xla" and not slice_named:
-        chips = tpu_chips_per_worker(layout, workers, offer)
-        if not chips and not (offer.this_machine or xla_on_cpu):
-            raise ValueError(
-                f"scaling.runtime=xla but the cluster has no TPU and its autoscaler can start none "
-                f"({offer.inventory()}): add a TPU node type (cluster.yaml), use scaling.runtime=auto, or export "
-                "PJRT_DEVICE=CPU to run XLA on the workers' CPUs"
-            )
+    if kind.accelerator == "TPU" and not slice_named:
+        chips = tpu_chips_per_worker(kind.tpu_layout(layout), workers, offer)
         if not chips:
-            note = "the cluster has no TPU: the xla workers run XLA on the CPU PJRT device"
+            note = kind.no_devices(offer, xla_on_cpu)
         elif workers > 1 and pack([{"TPU": float(chips)}] * workers, offer.capacities()):
-            tpu_slice, chips = slice_of(chips, workers, layout, offer), 0  # Ray Train reserves them as a slice
+            tpu_slice = slice_of(chips, workers, kind.tpu_layout(layout), offer, runtime)  # Ray Train reserves it
+            chips = 0
     return Placement(runtime, workers, chips, tpu_slice, why, note)
 
 
-def slice_of(chips: int, workers: int, layout: str, offer: ClusterOffer) -> tuple[str, str]:
-    """``(accelerator_type, topology)`` of the slice that ``workers`` xla workers of ``chips`` chips
+def slice_of(chips: int, workers: int, layout: str, offer: ClusterOffer, runtime: str) -> tuple[str, str]:
+    """``(accelerator_type, topology)`` of the slice that ``workers`` TPU workers of ``chips`` chips
     each form on the cluster's TPU hosts (the generation from their ``accelerator_type:`` resource,
     GCP's standard topology for the chip count); a ValueError naming the keys to set when unknown."""
     from raytpu.runtime.tpu import GENERATIONS, generation, slice_spec
@@ -163,26 +160,25 @@ def slice_of(chips: int, workers: int, layout: str, offer: ClusterOffer) -> tupl
         if per_worker == chips and spec.num_chips == total_chips:
             return kind, topology
     raise ValueError(
-        f"{workers} xla workers of {chips} TPU chip(s) each form a TPU slice, which Ray Train reserves whole: "
-        "name it with scaling.tpu.accelerator_type and scaling.tpu.topology (e.g. TPU-V5LITEPOD and 4x4)"
+        f"{workers} {runtime} workers of {chips} TPU chip(s) each form a TPU slice, which Ray Train reserves "
+        "whole, and no standard slice has that many chips: name it with scaling.tpu.accelerator_type and "
+        "scaling.tpu.topology (e.g. TPU-V5LITEPOD and 4x4), or a worker count that makes a standard slice"
     )
 
 
 def choose_runtime(requested: str, offer: ClusterOffer) -> tuple[str, str]:
-    """``(runtime, why)``: ``auto`` -> xla if the cluster has or can start TPUs, else cuda if GPUs,
-    else cpu; ``why`` says from what (empty for a runtime the config names)."""
+    """``(runtime, why)``: ``auto`` -> the first runtime, in their ``auto_order`` (TorchTPU where it is
+    installed and torch_xla is not, xla, cuda, cpu), whose accelerator the cluster has or can
+    start; ``why`` says from what (empty for a runtime the config names)."""
     if requested != "auto":
         return requested, ""
-    for runtime, resource in (("xla", "TPU"), ("cuda", "GPU")):
-        if offer.up(resource):
-            where = "this machine has" if offer.this_machine else "the cluster has"
-            return runtime, f"{where} {offer.up(resource):g} {resource}"
-        types = offer.startable(resource)
-        if types:
-            names = ", ".join(f"{t.name} ({t.resources[resource]:g} {resource})" for t in types)
-            return runtime, f"the autoscaler can start {resource} nodes: {names}; none is up yet"
-    searched = " or among the node types its autoscaler can start" if offer.node_types else ""
-    return "cpu", f"no TPU or GPU on the cluster{searched}"
+    from raytpu.runtime.kinds import by_auto_order
+
+    for kind in by_auto_order():
+        why = kind.auto_reason(offer)
+        if why:
+            return kind.name, why
+    raise AssertionError("the cpu runtime is always there")
 
 
 def tpu_chips_per_worker(layout: str, num_workers: int, offer: ClusterOffer) -> int:
@@ -201,13 +197,12 @@ def tpu_chips_per_worker(layout: str, num_workers: int, offer: ClusterOffer) -> 
     return int(max(hosts))
 
 
-def workers_this_machine_holds(runtime: str, num_workers: int, offer: ClusterOffer) -> int:
-    """How many workers of ``runtime`` fit the accelerators of this machine (a GPU each; one TPU
-    host under SPMD): ``num_workers`` when they all do, or on a cluster, which may grow."""
-    resource = ACCELERATOR.get(runtime)
-    if not offer.this_machine or resource is None or not offer.up(resource):
+def workers_this_machine_holds(resource: str, num_workers: int, offer: ClusterOffer) -> int:
+    """How many workers asking for ``resource`` fit the accelerators of this machine (a GPU each;
+    one TPU host under SPMD): ``num_workers`` when they all do, or on a cluster, which may grow."""
+    if not offer.this_machine or not resource or not offer.up(resource):
         return num_workers
-    room = int(offer.up(resource)) if runtime == "cuda" else len(offer.nodes)
+    room = int(offer.up(resource)) if resource == "GPU" else len(offer.nodes)
     return max(1, min(num_workers, room))
 
 

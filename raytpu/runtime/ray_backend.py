@@ -17,6 +17,7 @@ moves them fails a test rather than a TPU run.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +40,17 @@ def _forget_host_device() -> None:
 
 
 class _QuietBackend(_TorchBackend):
-    """Ray's torch backend, with gloo's per-rank connection notice (printed from C++ on stdout)
-    hidden while the process group connects."""
+    """Ray's torch backend, after the config's ``before`` (if any) ran on every worker, with gloo's
+    per-rank connection notice (printed from C++ on stdout) hidden while the process group connects
+    unless the config is not ``quiet``."""
 
     def on_start(self, worker_group: Any, backend_config: TorchConfig) -> None:
+        before = getattr(backend_config, "before", None)
+        if before is not None:
+            worker_group.execute(before)
+        if not getattr(backend_config, "quiet", True):
+            super().on_start(worker_group, backend_config)
+            return
         worker_group.execute(mute_stdout)
         try:
             super().on_start(worker_group, backend_config)
@@ -59,7 +67,12 @@ class _XLAHostBackend(_QuietBackend):
 
 @dataclass
 class QuietTorchConfig(TorchConfig):
-    """``TorchConfig`` whose process-group start prints nothing."""
+    """``TorchConfig`` whose process-group start prints nothing (unless not ``quiet``); ``before``
+    runs on every worker first (TorchTPU's loading, which registers its ``tpu_dist`` backend and
+    ``tpu`` device)."""
+
+    before: Callable[[], None] | None = None
+    quiet: bool = True
 
     @property
     def backend_cls(self) -> type:
@@ -77,10 +90,7 @@ class XLAHostTorchConfig(TorchConfig):
         return _XLAHostBackend
 
 
-def torch_config(runtime: str, verbose: bool = False) -> TorchConfig:
-    """The process-group config for a runtime: NCCL on cuda, gloo elsewhere (host-side on xla);
-    quiet unless ``verbose``."""
-    if runtime == "xla":
-        return XLAHostTorchConfig()
-    backend = "nccl" if runtime == "cuda" else "gloo"
-    return TorchConfig(backend=backend) if verbose else QuietTorchConfig(backend=backend)
+def quiet_torch_config(backend: str, verbose: bool = False, before: Callable[[], None] | None = None) -> Any:
+    """Ray Train's ``TorchConfig`` for ``backend``, whose start prints nothing unless ``verbose``;
+    ``before`` runs on every worker before its process group starts."""
+    return QuietTorchConfig(backend=backend, before=before, quiet=not verbose)

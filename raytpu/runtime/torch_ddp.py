@@ -9,12 +9,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.nn.functional import all_reduce
 from torch.nn.parallel import DistributedDataParallel
 
-from raytpu.runtime.base import Runtime, batchnorm_scope, clip_or_measure
-from raytpu.runtime.batchnorm import convert_to_global_batchnorm
+from raytpu.runtime.base import Runtime, batchnorm_scope, clip_or_measure, gpu_peak_flops
 from raytpu.runtime.compiled import CompileWatch, compile_regions, compile_whole
-from raytpu.runtime.peaks import gpu_peak_flops
+from raytpu.runtime.tpu import tpu_peak_flops
 
 
 class DDPRuntime(Runtime):
@@ -27,20 +27,25 @@ class DDPRuntime(Runtime):
         local_rank: int,
         compile_mode: str = "",
         tf32: bool = True,
+        device_type: str = "",
     ) -> None:
         """``compile_mode``: torch.compile's mode, or "" for eager; ``tf32``: TF32 tensor cores for
-        what stays fp32 on a GPU (matmuls and convolutions outside autocast)."""
+        what stays fp32 on a GPU (matmuls and convolutions outside autocast); ``device_type``: cpu,
+        cuda or tpu ("": the runtime's name says, cuda or cpu)."""
         super().__init__(precision, world_size, rank, local_rank)
         self.name, self.compile_mode = name, compile_mode
         self.watch = CompileWatch() if compile_mode else None
         self.compiled = ""  # how the model was compiled: regional | whole
         os.environ["USE_TORCH_XLA"] = "0"  # Transformers would otherwise import torch_xla when it is installed
-        if name == "cuda":
+        device_type = device_type or ("cuda" if name == "cuda" else "cpu")
+        if device_type == "cuda":
             self.device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
             torch.cuda.set_device(self.device)
             torch.set_float32_matmul_precision("high" if tf32 else "highest")
             torch.backends.cudnn.allow_tf32 = tf32
-        self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+        elif device_type != "cpu":  # one chip a worker: the one Ray made visible to this process
+            self.device = torch.device(device_type, 0)
+        self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" and device_type == "cuda" else None
 
     def prepare_model(
         self, model: nn.Module, find_unused_parameters: bool = False, sync_batchnorm: str = "auto"
@@ -116,10 +121,16 @@ class DDPRuntime(Runtime):
         return self.device.type == "cuda"
 
     def device_kind(self) -> str:
-        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        if self.device.type == "tpu":
+            return os.environ.get("TPU_ACCELERATOR_TYPE", "tpu")
+        return "cpu"
 
     def device_peak_flops(self) -> float | None:
-        return gpu_peak_flops(self.device_kind()) if self.device.type == "cuda" else None
+        if self.device.type == "cuda":
+            return gpu_peak_flops(self.device_kind())
+        return tpu_peak_flops(self.device_kind()) if self.device.type == "tpu" else None
 
     def rng_state(self) -> dict[str, Any]:
         state = super().rng_state()
@@ -138,3 +149,56 @@ class DDPRuntime(Runtime):
     def load_scaler_state(self, state: dict[str, Any] | None) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+
+
+# ------------------------------------------------------------------ BatchNorm over the global batch on CPUs
+class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """A BatchNorm layer whose training statistics are those of the batch over all workers.
+
+    Same parameters and buffers as ``nn.BatchNorm{1,2,3}d`` (state dicts are interchangeable);
+    in eval mode, or without a process group of several workers, it is a plain BatchNorm.
+    """
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2-D input, got {input.dim()}-D")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)
+        channels = x.shape[1]
+        dims = [0, *range(2, x.dim())]
+        count = torch.full((1,), x.numel() / channels, dtype=x.dtype, device=x.device)
+        sums = all_reduce(torch.cat([x.sum(dims), (x * x).sum(dims), count]))
+        total = sums[-1]
+        mean = sums[:channels] / total
+        var = (sums[channels : 2 * channels] / total - mean * mean).clamp_min(0)
+        if self.track_running_stats:
+            self._update_running_stats(mean.detach(), var.detach(), float(total.detach()))
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: float) -> None:
+        self.num_batches_tracked += 1
+        momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        unbiased = var * count / max(count - 1, 1)
+        self.running_mean.lerp_(mean, momentum)
+        self.running_var.lerp_(unbiased, momentum)
+
+
+def convert_to_global_batchnorm(module: nn.Module) -> nn.Module:
+    """Replace every ``nn.BatchNorm*d`` in ``module`` by a :class:`GlobalBatchNorm` with the same state."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, GlobalBatchNorm):
+        converted = GlobalBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
+        converted.load_state_dict(module.state_dict())
+        converted.train(module.training)
+        return converted
+    for name, child in module.named_children():
+        module.add_module(name, convert_to_global_batchnorm(child))
+    return module

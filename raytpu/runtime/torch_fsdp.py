@@ -1,4 +1,6 @@
-"""cpu and cuda with the model sharded over the workers: FSDP2 (``torch.distributed.fsdp.fully_shard``).
+"""The native stack (cpu, cuda, TorchTPU) with the model sharded over the workers: FSDP2
+(``torch.distributed.fsdp.fully_shard``); and what any sharding (FSDP2, and FSDPv2 on xla) shards
+unit by unit.
 
 Each unit (``sharding.layers``, by default the decoder layers a Transformers model names in
 ``_no_split_modules``) is sharded on its own, then the root, as torchtitan and Accelerate's
@@ -12,6 +14,13 @@ gather) and regional compilation work in place too.
 
 On cuda with bf16, parameters are gathered and computed in bf16 and gradients reduced in fp32
 (``MixedPrecisionPolicy``); the optimizer steps the fp32 shards.
+
+The unit is named by class (``sharding.layers``), as Transformers'
+``fsdp_config["transformer_layer_cls_to_wrap"]`` does, and defaults to the classes a Transformers
+model declares in ``_no_split_modules`` (the same default as Transformers' Trainer and Accelerate).
+FSDPv2's wrapper keeps its module as ``_orig_module``, which would put ``_orig_module.`` into every
+parameter name under it: :func:`plain_state_dict_names` hides it, so that a checkpoint of a
+sharded run has the plain model's names (it loads into an unwrapped model and back).
 """
 
 from __future__ import annotations
@@ -28,9 +37,38 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from raytpu.console import muted_stdout
+from raytpu.errors import ConfigError
+from raytpu.runtime.base import Runtime
 from raytpu.runtime.compiled import compile_regions, compile_whole
-from raytpu.runtime.fsdp import NO_UNITS, units_of, wrapping_units
 from raytpu.runtime.torch_ddp import DDPRuntime
+
+
+def native_runtime(
+    name: str, device_type: str, precision: str, world: int, rank: int, local_rank: int, options: dict[str, Any]
+) -> Runtime:
+    """The native PyTorch stack on ``device_type`` (cpu, cuda, TorchTPU's tpu): DDP, or FSDP2 when
+    the plan shards; ``options`` as :meth:`raytpu.runtime.kinds.RuntimeKind.make` gets them."""
+    sharding, compile_mode, tf32 = options.get("sharding"), options.get("compile_mode", ""), options.get("tf32", True)
+    if sharding is not None and sharding.strategy != "none":
+        return FSDPRuntime(name, precision, world, rank, local_rank, compile_mode, tf32, sharding, device_type)
+    return DDPRuntime(name, precision, world, rank, local_rank, compile_mode, tf32, device_type)
+
+
+def fsdp2_settings(cfg: Any, precision: str) -> dict[str, Any]:
+    """``sharding`` on the native stack: FSDP2, which computes in bf16 or fp32 and keeps no EMA copy
+    of a sharded model (a ConfigError for either); no key changes."""
+    if cfg.sharding.strategy == "none":
+        return {}
+    if precision == "fp16":
+        raise ConfigError(
+            "sharding.strategy=full_shard computes in bf16 or fp32, and this GPU has no bf16: set "
+            "scaling.precision=fp32"
+        )
+    if cfg.loop.ema_beta:
+        raise ConfigError(
+            "loop.ema_beta: an EMA copy of a sharded model is not kept; set loop.ema_beta=0 or sharding.strategy=none"
+        )
+    return {}
 
 
 class FSDPRuntime(DDPRuntime):
@@ -46,8 +84,9 @@ class FSDPRuntime(DDPRuntime):
         compile_mode: str = "",
         tf32: bool = True,
         sharding: Any = None,
+        device_type: str = "",
     ) -> None:
-        super().__init__(name, precision, world_size, rank, local_rank, compile_mode, tf32)
+        super().__init__(name, precision, world_size, rank, local_rank, compile_mode, tf32, device_type)
         self.layers = list(sharding.layers) if sharding else []
         self.activation_checkpointing = bool(sharding and sharding.activation_checkpointing)
         self.scaler = None  # the plan allows bf16 and fp32 only: no loss scaling
@@ -89,7 +128,7 @@ class FSDPRuntime(DDPRuntime):
         from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            backend = {"cuda": "nccl", "tpu": "tpu_dist"}.get(self.device.type, "gloo")
             with muted_stdout():  # gloo's "[Gloo] Rank 0 is connected to 0 peer ranks"
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return init_device_mesh(self.device.type, (self.world_size,))
@@ -162,3 +201,68 @@ def sharded_clip_or_measure(params: list[nn.Parameter], max_norm: float, measure
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)
     return norm
+
+
+# ------------------------------------------------------------------ the units any sharding shards (FSDP2 and FSDPv2)
+WRAPPED = "_orig_module."
+
+NO_UNITS = (
+    "sharding.activation_checkpointing checkpoints the model's repeated blocks, and this model declares "
+    "none: set sharding.layers to their class names"
+)
+
+
+def wrapping_units(model: nn.Module, class_names: list[str]) -> set[type[nn.Module]]:
+    """The module classes wrapped one by one: ``class_names`` (``sharding.layers``), else the
+    model's ``_no_split_modules``; empty when neither names any (the whole model is one unit)."""
+    names = list(class_names) or list(getattr(model, "_no_split_modules", None) or [])
+    classes = {type(module).__name__: type(module) for module in model.modules()}
+    missing = [name for name in names if name not in classes]
+    if missing:
+        known = ", ".join(sorted(name for name in classes if name != type(model).__name__)[:12])
+        raise ValueError(
+            f"sharding.layers: the model has no module of class {', '.join(missing)}; its module classes "
+            f"include {known}"
+        )
+    return {classes[name] for name in names}
+
+
+def units_of(model: nn.Module, units: set[type[nn.Module]]) -> list[nn.Module]:
+    """The model's modules of the unit classes, outermost only (a unit inside a unit is not one)."""
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if isinstance(module, tuple(units)) and module is not model:
+            found.append(module)
+            inside.update(id(child) for child in module.modules())
+    return found
+
+
+def plain_state_dict_names(wrapper: nn.Module) -> None:
+    """Save ``wrapper``'s entries without its ``_orig_module.`` and load plain names into it."""
+    wrapper.register_state_dict_post_hook(_drop_wrapper_name)
+    wrapper.register_load_state_dict_pre_hook(_add_wrapper_name)
+
+
+def _drop_wrapper_name(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    _rename(state_dict, prefix + WRAPPED, prefix)
+
+
+def _add_wrapper_name(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:  # (local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+    plain = [key for key in state_dict if key.startswith(prefix) and not key.startswith(prefix + WRAPPED)]
+    if plain:
+        _rename(state_dict, prefix, prefix + WRAPPED, only=set(plain))
+
+
+def _rename(state_dict: dict[str, Any], old: str, new: str, only: set[str] | None = None) -> None:
+    """Replace the leading ``old`` of keys by ``new``, in place, keeping the entries' order."""
+    items = list(state_dict.items())
+    state_dict.clear()
+    for key, value in items:
+        if key.startswith(old) and (only is None or key in only):
+            key = new + key[len(old) :]
+        state_dict[key] = value

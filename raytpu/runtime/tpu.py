@@ -326,3 +326,32 @@ def apply_env(env: Mapping[str, str], environ: MutableMapping[str, str] | None =
         for name in SUPERSEDED_BOUNDS_VARS:
             target.pop(name, None)
     target.update(env)
+
+
+# ------------------------------------------------------------------ TPU devices: peaks, and a TPU VM or not
+#: TPU generation (as spelt in pod types, v5e as v5e) -> bf16 FLOP/s per chip
+TPU_PEAK_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
+
+# device kinds and pod types: "TPU v5 lite", "v5litepod-8", "TPU v6 lite", "v6e-8", "TPU v4", "v5p-16"
+_TPU_ALIASES = {"v5lite": "v5e", "v6lite": "v6e", "v5": "v5p"}
+
+
+def tpu_generation(name: str) -> str:
+    """``v4``, ``v5e``, ``v5p`` or ``v6e`` (or the unknown name, normalised) from an accelerator type
+    (``v5litepod-8``) or a PJRT device kind (``TPU v5 lite``)."""
+    key = re.sub(r"^tpu[\s_-]*", "", name.strip().lower())
+    key = re.sub(r"-\d+$", "", key)
+    key = re.sub(r"[\s_]", "", key).removesuffix("pod")
+    return _TPU_ALIASES.get(key, key)
+
+
+def tpu_peak_flops(name: str) -> float | None:
+    """bf16 peak FLOP/s of one chip of the TPU ``name`` (see :func:`tpu_generation`), None if unknown."""
+    return TPU_PEAK_FLOPS.get(tpu_generation(name))
+
+
+def tpu_present() -> bool:
+    """A TPU VM, told by its device files or env, without initialising a TPU runtime."""
+    if os.environ.get("PJRT_DEVICE", "").upper() == "TPU" or os.environ.get("TPU_ACCELERATOR_TYPE"):
+        return True
+    return any(os.path.exists(path) for path in ("/dev/accel0", "/dev/vfio/0"))

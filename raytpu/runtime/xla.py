@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytpu.runtime.base import RecompileError, Runtime, batchnorm_scope, clip_or_measure, tpu_present
-from raytpu.runtime.fsdp import NO_UNITS, plain_state_dict_names, units_of, wrapping_units
-from raytpu.runtime.peaks import gpu_peak_flops, tpu_peak_flops
+from raytpu.runtime.base import RecompileError, Runtime, batchnorm_scope, clip_or_measure, gpu_peak_flops
+from raytpu.runtime.torch_fsdp import NO_UNITS, plain_state_dict_names, units_of, wrapping_units
+from raytpu.runtime.tpu import tpu_peak_flops, tpu_present
 
 
 class XLARuntime(Runtime):

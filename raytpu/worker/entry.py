@@ -4,8 +4,9 @@ The driver resolves a :class:`~raytpu.config.plan.Plan` and hands it to every wo
 values: Ray Train's ``TorchTrainer`` calls :func:`ray_entry` with it (``raytpu train``, ``test``,
 ``tune``, ``launch``), ``raytpu train --local`` starts ``python -m raytpu.worker.entry PLAN`` once
 per rank (:func:`local_entry`). Each builds its :class:`~raytpu.worker.reporting.Reporter` and
-calls :func:`run`, which sets the process up and runs the training loop, a test, or the user's
-script (``raytpu launch``).
+calls :func:`run`, which sets the process up (what its runtime's description asks: a TPU chip's
+environment, a compile cache) and runs the training loop, a test, or the user's script (``raytpu
+launch``).
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from raytpu.config import Config
-from raytpu.config.batching import worker_range
-from raytpu.config.plan import Plan, elastic_sizes
+from raytpu.config.plan import Plan, elastic_sizes, worker_range
 from raytpu.errors import WorkerFailed
 from raytpu.job import load_job
 from raytpu.records import devices
 from raytpu.records.batches import EXIT_BATCH_REDUCED
 from raytpu.records.checkpoints import save_json
 from raytpu.records.goodput import Command
+from raytpu.runtime.kinds import kind_of
 from raytpu.storage.run_folder import RunFolder
 from raytpu.worker.batch_finder import BatchReduced, fit_finding_batch
 from raytpu.worker.reporting import FolderReporter, RayReporter, Reporter
@@ -58,7 +59,7 @@ def work(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | 
     job = load_job(plan.config.job.name)
     sizes = elastic_sizes(plan.config) if worker_range(plan.config) else []
     cfg = plan.config
-    scaling, cache = cfg.scaling, compile_cache(cfg, plan.run_dir)
+    scaling, cache = cfg.scaling, kind_of(cfg.scaling.runtime).compile_cache(cfg, plan.run_dir)
     compile_mode = cfg.loop.compile_mode if cfg.loop.compile == "true" else ""
     runtime = make_runtime(
         scaling.runtime,
@@ -94,16 +95,6 @@ def work(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | 
     reporter.report(metrics, results, "test")
 
 
-def compile_cache(cfg: Config, run_dir: str) -> str:
-    """XLA's persistent compile cache: ``xla.compile_cache``, else in the run folder, or on each
-    host's disk for a run in a bucket (the cache is read at every compile); known only on the
-    worker, whose disk it is."""
-    if cfg.xla.compile_cache or cfg.scaling.runtime != "xla":
-        return cfg.xla.compile_cache
-    folder = RunFolder(run_dir)
-    return str(folder.local("xla_cache") if folder.remote else Path(run_dir) / "xla_cache")
-
-
 # ------------------------------------------------------------------ Ray Train
 def ray_entry(plan_values: dict[str, Any]) -> None:
     """``train_loop_per_worker`` of every ``TorchTrainer`` raytpu builds: one call per Ray worker."""
@@ -115,9 +106,7 @@ def ray_entry(plan_values: dict[str, Any]) -> None:
         quiet_reports()
     context = ray.train.get_context()
     seat = Seat(context.get_world_rank(), context.get_world_size(), context.get_local_rank())
-    tpu = cfg.scaling.tpu
-    if cfg.scaling.runtime == "xla" and tpu.accelerator_type and tpu.layout == "multiprocess":
-        configure_chip_process(cfg, seat.rank)
+    kind_of(cfg.scaling.runtime).prepare_process(cfg, seat.rank)  # a TPU chip's process environment
     reporter = RayReporter(plan.run_dir, seat.rank, seat.world, plan.facts.stop)
     try:
         work(plan, seat, reporter, {name: ray.train.get_dataset_shard(name) for name in plan.datasets})
@@ -137,24 +126,6 @@ def quiet_reports() -> None:
     logging.getLogger(util.__name__).setLevel(logging.CRITICAL)
 
 
-def configure_chip_process(cfg: Config, world_rank: int) -> dict[str, str]:
-    """Per-chip layout: give this process torch_xla's PJRT multi-process environment
-    (before torch_xla is imported), from the slice spec and every worker's TPU worker id and
-    host address (Ray does not order the hosts by worker id: ``raytpu.runtime.tpu.chip_process_env``)."""
-    import ray
-    import torch.distributed as dist
-
-    from raytpu.runtime.tpu import apply_env, chip_process_env, slice_spec, tpu_worker_id
-
-    spec = slice_spec(cfg.scaling.tpu.accelerator_type, cfg.scaling.tpu.topology)
-    mine = (tpu_worker_id(ray.get_runtime_context().get_node_labels()), ray.util.get_node_ip_address())
-    placements: list[tuple[int, str]] = [(0, "")] * dist.get_world_size()
-    dist.all_gather_object(placements, mine)
-    env = chip_process_env(world_rank, placements, spec)
-    apply_env(env)
-    return env
-
-
 # ------------------------------------------------------------------ local processes
 def local_entry(plan_path: str) -> None:
     """One process of ``raytpu train --local``, started torchrun-style (``RANK``, ``WORLD_SIZE``,
@@ -171,7 +142,7 @@ def local_entry(plan_path: str) -> None:
     seat = Seat(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
     if world > 1:
         with muted_stdout(not cfg.logging.verbose):  # gloo's "[Gloo] Rank N is connected" notice
-            dist.init_process_group("nccl" if cfg.scaling.runtime == "cuda" else "gloo")
+            dist.init_process_group(kind_of(cfg.scaling.runtime).process_group)
     keep, mode = cfg.checkpoint.num_to_keep, plan.facts.main_metric_mode
     reporter = FolderReporter(Path(plan.run_dir), keep, mode, rank, world, plan.facts.stop)
     try:

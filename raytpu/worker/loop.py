@@ -158,7 +158,7 @@ class Trainer:
             self.tokens_per_sample = self.job.tokens_per_sample(self.cfg)
         worker_peak = rt.peak_flops()
         self.peak_flops = worker_peak * rt.world_size if worker_peak else None
-        if self.flops_per_sample and not self.peak_flops and rt.device_kind() != "cpu":
+        if self.flops_per_sample and not self.peak_flops and rt.on_accelerator():
             self._message(f"note: no documented bf16 peak for {rt.device_kind()!r}, so no perf/mfu")
 
     @property

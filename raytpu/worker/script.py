@@ -40,6 +40,7 @@ from typing import Any
 
 from raytpu.config.plan import Plan, ScriptPlan
 from raytpu.records.relay import RESUME_ENV, STATE_ENV
+from raytpu.runtime.kinds import RuntimeKind, kind_of
 from raytpu.storage.run_folder import RunFolder
 from raytpu.worker.reporting import Reporter
 
@@ -74,11 +75,9 @@ def run_script_worker(plan: Plan, seat: Any, reporter: Reporter) -> None:
     log = f"logs/rank_{rank}.log"
     folder.local("logs")
     restore_output = capture_output(folder.local() / log, console=state if rank == 0 else None)
-    runtime = plan.config.scaling.runtime
-    if runtime == "xla":
-        os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
-    os.environ.update(process_environment(script, runtime))
-    patch_accelerate(runtime, script.state, rank)
+    kind = kind_of(plan.config.scaling.runtime)
+    os.environ.update(process_environment(script, kind))
+    patch_accelerate(kind, script.state, rank)
     resume = reporter.latest_checkpoint()
     if resume is not None:
         os.environ[RESUME_ENV] = str(resume)
@@ -193,23 +192,20 @@ def fresh_root_logger() -> Iterator[None]:
         root.setLevel(level)
 
 
-def process_environment(script: ScriptPlan, runtime: str) -> dict[str, str]:
-    """What a launched process adds to its environment: the launch options for Accelerate, and the
-    switch that keeps Accelerate (and Transformers) on or off XLA. On a TPU slice the chip's PJRT
-    environment is already set (``raytpu.worker.entry.configure_chip_process``)."""
+def process_environment(script: ScriptPlan, kind: RuntimeKind) -> dict[str, str]:
+    """What a launched process adds to its environment: the launch options for Accelerate, and what
+    its runtime's description tells Accelerate and Transformers (on or off XLA, the CPU). On a TPU
+    slice the chip's PJRT environment is already set (the description's ``prepare_process``)."""
     env = {
         STATE_ENV: script.state,
         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(script.gradient_accumulation_steps),
     }
     if script.mixed_precision:  # else the script's Accelerator(mixed_precision=...) decides, as under accelerate launch
         env["ACCELERATE_MIXED_PRECISION"] = script.mixed_precision
-    env["USE_TORCH_XLA"] = "1" if runtime == "xla" else "0"  # the driver's own "0" must not reach an XLA worker
-    if runtime == "cpu":
-        env["ACCELERATE_USE_CPU"] = "true"
-    return env
+    return {**env, **kind.accelerate_env()}  # the driver's own USE_TORCH_XLA=0 must not reach an XLA worker
 
 
-def patch_accelerate(runtime: str, state_name: str, rank: int) -> None:
+def patch_accelerate(kind: RuntimeKind, state_name: str, rank: int) -> None:
     """Hooks on Accelerate's ``Accelerator`` for launched scripts (only when it is installed):
     fp16 -> bf16 on XLA, ``save_state`` published, ``log`` forwarded, ``load_state()`` resuming."""
     try:
@@ -226,11 +222,12 @@ def patch_accelerate(runtime: str, state_name: str, rank: int) -> None:
     )
 
     def patched_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        if runtime == "xla" and kwargs.get("mixed_precision") == "fp16":
+        xla = kind.accelerate_fp16_as_bf16()
+        if xla and kwargs.get("mixed_precision") == "fp16":
             warnings.warn("mixed_precision fp16 is not supported on XLA/TPU; using bf16 instead", stacklevel=2)
             kwargs["mixed_precision"] = "bf16"
         init(self, *args, **kwargs)
-        if runtime == "xla" and self.state.mixed_precision == "bf16":
+        if xla and self.state.mixed_precision == "bf16":
             # Accelerate autocasts bf16 only where it finds a TPU (elsewhere on XLA it relies on
             # the deprecated XLA_USE_BF16): torch.autocast("xla", bfloat16) on every XLA device
             self.native_amp = True
