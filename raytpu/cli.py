@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--out", required=True, help="output folder or filesystem URI")
     prepare.add_argument("--rows-per-file", type=int, default=0, help="rows per parquet file (0 = the job's default)")
 
-    tune = sub.add_parser("tune", help="search hyper-parameters with Ray Tune (ASHA), each trial a TorchTrainer")
+    tune = sub.add_parser(
+        "tune", help="search hyper-parameters with Ray Tune (random, Optuna, ASHA, PBT), each trial a TorchTrainer"
+    )
     tune.add_argument("config", help="YAML config, e.g. jobs/mshnet/small.yaml")
     tune.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides and the tune flags")
 

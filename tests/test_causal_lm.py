@@ -141,6 +141,7 @@ MAPPED = [
     (["--report_to", "none"], "logging.tensorboard", False),
     (["--report_to", "tensorboard"], "logging.tensorboard", True),
     (["--resume_from_checkpoint", "false"], "checkpoint.resume", False),
+    (["--resume_from_checkpoint", "out/checkpoint-500"], "checkpoint.resume_from", "out/checkpoint-500"),
 ]
 
 
@@ -182,7 +183,6 @@ def test_unsupported_training_arguments_are_errors_that_name_them(words, message
         ["--eval_strategy", "no"],
         ["--save_strategy", "best"],
         ["--report_to", "comet_ml"],
-        ["--resume_from_checkpoint", "out/checkpoint-500"],
         ["--debug", "underflow_overflow"],
     ],
 )

@@ -266,7 +266,7 @@ def cli() -> Cli:
     run_flags = {"--local", "--verbose", "--address", "--checkpoint"}
     commands["train"] |= aliases | run_flags
     commands["test"] |= aliases | run_flags
-    commands["tune"] |= aliases | set(FLAGS) | {"--search", "--address", "--verbose"}
+    commands["tune"] |= aliases | set(FLAGS) | {"--search", "--mutate", "--address", "--verbose"}
     commands["submit"] |= aliases | {"--address", "--no-wait"}
     commands["submit launch"] = commands["launch"] | {"--address", "--no-wait"}
     commands["export"] |= aliases | {"--checkpoint", "--out"}

@@ -57,6 +57,27 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path):
         torch.testing.assert_close(again[key], straight[key], rtol=0, atol=0)
 
 
+def test_resume_from_another_run_s_checkpoint_goes_on_from_its_step_with_the_configured_lr(tmp_path):
+    """``checkpoint.resume_from``: the whole state of another run's checkpoint (its step), the
+    lr this run is configured with from there, both lrs in the checkpoints' ``lr_steps``; and,
+    from the base lr's changes (``optim.lr_changes``), the same weights as the run that changed it."""
+    schedule = ["loop.epochs=2", "checkpoint.every_steps=5", "optim.warmup_steps=3"]
+    run(tmp_path / "donor", *schedule, "loop.max_steps=5")  # its last checkpoint: step 5
+    donor = tmp_path / "donor" / "checkpoint_00000005"
+    went_on = run(tmp_path / "taker", *schedule, "optim.lr=0.02", f"checkpoint.resume_from={donor}")
+    assert went_on.progress.step == 16 and went_on.progress.lr_steps == [[0, 0.05], [5, 0.02]]
+    base = went_on.scheduler.base_lrs[0]
+    assert base == 0.02 and went_on.optimizer.param_groups[0]["lr"] == pytest.approx(
+        base * went_on.scheduler.lr_lambdas[0](16)
+    )
+    latest = FolderReporter(tmp_path / "taker").latest_checkpoint()
+    assert ckpt.read_meta(latest)["lr_steps"] == [[0, 0.05], [5, 0.02]]
+    run(tmp_path / "replayed", *schedule, "optim.lr_changes={5: 0.02}")
+    taken, again = final_weights(tmp_path / "taker"), final_weights(tmp_path / "replayed")
+    for key in taken:
+        torch.testing.assert_close(again[key], taken[key], rtol=1e-5, atol=1e-6)
+
+
 def test_gradient_accumulation_matches_the_full_batch(tmp_path):
     common = ["loop.epochs=1", "job.dropout=0.0", "optim.name=sgd", "optim.momentum=0.0"]
     run(tmp_path / "full", *common)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from raytpu import cli
 from raytpu.config import ConfigError, load_config, with_values
-from raytpu.driver.search import Search, parse_search, searches_of
+from raytpu.driver.search import Search, mutations_of, parse_search, searches_of
 from raytpu.driver.tune import (
     format_table,
     max_concurrent_trials,
@@ -116,8 +117,74 @@ def test_searches_are_checked_against_the_config():
     cfg, _ = load_config(SMALL)
     with pytest.raises(ConfigError, match="nothing to search"):
         searches_of(cfg)
-    with pytest.raises(ConfigError, match="tune.scheduler='pbt' is not one of asha, fifo"):
-        load_config(SMALL, ["tune.scheduler=pbt"])
+    with pytest.raises(ConfigError, match="tune.scheduler='hyperband' is not one of asha, fifo, pbt"):
+        load_config(SMALL, ["tune.scheduler=hyperband"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--search-alg", "optuna", "--search", "optim.lr=grid(0.1, 0.01)"], "optim.lr is a grid(), Tune's own"),
+        (["--search-alg", "optuna", "--scheduler", "pbt"], "--scheduler pbt draws its population at random"),
+        (["--search-alg", "bayes"], "tune.search_alg='bayes' is not one of random, optuna"),
+        (["--mutate", "optim.weight_decay=uniform(0, 0.1)"], "is what --scheduler pbt perturbs"),
+        (["--scheduler", "pbt", "--mutate", "optim.lr=grid(0.1, 0.2)"], "give choice(...) or a range, not grid()"),
+        (["--scheduler", "pbt", "--mutate", "optim.lrr=uniform(0.1, 0.2)"], "did you mean optim.lr"),
+        (["--scheduler", "pbt", "--quantile-fraction", "0.7"], "tune.quantile_fraction must be at most 0.5"),
+    ],
+)
+def test_a_search_algorithm_or_scheduler_that_cannot_take_the_search_is_one_line(flags, message, tmp_path, capsys):
+    search = [] if "--search" in flags else ["--search", "optim.lr=loguniform(1e-3, 1e-1)"]
+    assert cli.main(["tune", SMALL, f"run.storage_path={tmp_path}", *search, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("raytpu: error:") and "\n" not in err and message in err, err
+
+
+def test_optuna_missing_is_one_line_naming_the_extra(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optuna" else real(name, *a))
+    flags = ["--search", "optim.lr=loguniform(1e-3, 1e-1)", "--search-alg", "optuna"]
+    assert cli.main(["tune", SMALL, f"run.storage_path={tmp_path}", *flags]) == 2
+    assert "needs Optuna: pip install 'raytpu[optuna]'" in capsys.readouterr().err
+
+
+def test_pbt_perturbs_the_lr_within_its_searched_range_unless_told_otherwise():
+    rest, tuned, _ = split_flags(["--scheduler", "pbt", "--search", "optim.lr=grid(0.05, 1e-4)"])
+    cfg, _ = load_config(SMALL, rest + tuned)
+    assert mutations_of(cfg, searches_of(cfg)) == [Search("optim.lr", "loguniform", (1e-4, 0.05))]
+    rest, tuned, _ = split_flags(["--scheduler", "pbt", "--search", "loop.epochs=choice(1, 2)"])
+    cfg, _ = load_config(SMALL, [*rest, *tuned, "optim.lr=0.01"])
+    assert mutations_of(cfg, searches_of(cfg)) == [Search("optim.lr", "loguniform", (0.001, 0.1))]
+    rest, tuned, _ = split_flags(
+        ["--scheduler", "pbt", "--search", "loop.epochs=choice(1, 2)", "--mutate", "optim.weight_decay=choice(0, 0.1)"]
+    )
+    cfg, _ = load_config(SMALL, rest + tuned)
+    assert mutations_of(cfg, searches_of(cfg)) == [Search("optim.weight_decay", "choice", (0, 0.1))]
+
+
+def test_batch_sizes_that_cannot_fit_the_devices_memory_are_left_out_of_the_search(capsys):
+    """The memory estimate of each value against a (fake) device's memory: the batches that cannot
+    fit are named and dropped; none fitting is one error; no known memory (a CPU) changes nothing."""
+    from raytpu.config.plan import Facts, make_plan
+    from raytpu.driver.search import within_memory
+
+    lm = str(ROOT / "jobs/causal_lm/small.yaml")
+    model = ["job.model_config.hidden_size=64", "job.model_config.num_hidden_layers=2", "job.seq_len=64"]
+    fake_device = ["scaling.runtime=cpu", "scaling.num_workers=1", "scaling.device_memory_gb=0.1"]
+    rest, tuned, _ = split_flags(["--search", "data.global_batch_size=choice(2, 8, 64, 512)", *model, *fake_device])
+    cfg, job = load_config(lm, rest + tuned)
+    plan = make_plan(cfg, Facts(mode="train"))
+    [kept] = within_memory(searches_of(cfg), plan, job)
+    assert kept.key == "data.global_batch_size" and 2 in kept.args and 512 not in kept.args, kept
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("raytpu: data.global_batch_size: ") and "512 (about" in line and line.endswith("left out")
+    tiny = make_plan(with_values(cfg, {"scaling.device_memory_gb": 0.001}), Facts(mode="train"))
+    with pytest.raises(ConfigError, match="data.global_batch_size: no value fits 90% of the 0.001 GB"):
+        within_memory(searches_of(cfg), tiny, job)
+    unknown = make_plan(with_values(cfg, {"scaling.device_memory_gb": 0.0}), Facts(mode="train"))
+    assert within_memory(searches_of(cfg), unknown, job) == searches_of(cfg)
 
 
 # ------------------------------------------------------------ trials
@@ -229,42 +296,43 @@ def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_sessi
     assert trained.best_checkpoint and Path(trained.best_checkpoint, "model.safetensors").is_file()
 
 
-def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session, tmp_path, mshnet_data):
-    """A sweep whose folder is an S3 bucket: Ctrl-C after the first trial finished, then the same
-    command: the finished trial keeps its files untouched, the other one runs, and results.csv has
-    both, all in the bucket."""
+def test_an_interrupted_optuna_sweep_resumes_its_search_without_rerunning_finished_trials(
+    ray_session, tmp_path, mshnet_data
+):
+    """A TPE sweep of 6 trials in an S3 bucket: Ctrl-C after the third trial finished, then the
+    same command: the finished trials keep their files untouched, and every trial's values are
+    those of one uninterrupted search (Optuna's TPE, as raytpu seeds it, replayed on the metrics the
+    trials reported): the resumed sweep went on with the searcher's state, not a fresh one's draws."""
+    from ray import tune
+    from ray.tune.search.optuna import OptunaSearch
+
+    from raytpu.driver.tune import tpe_sampler
     from raytpu.storage.run_folder import RunFolder
     from tests.stores import BUCKET
 
     storage = f"s3://{BUCKET}/tune-{tmp_path.name}"
     address = ray_session.get_runtime_context().gcs_address
-    command = [sys.executable, "-m", "raytpu.cli", "tune", SMALL, *TINY, "loop.epochs=2"]
+    command = [sys.executable, "-m", "raytpu.cli", "tune", SMALL, *TINY, "loop.epochs=1"]
     command += [f"data.path={mshnet_data}", f"run.storage_path={storage}", "--address", address]
-    command += [
-        "--search",
-        "optim.lr=grid(0.05, 1e-12)",
-        "--samples",
-        "1",
-        "--max-concurrent",
-        "1",
-        "--scheduler",
-        "fifo",
-    ]
+    command += ["--search", "optim.lr=loguniform(1e-4, 0.1)", "--search-alg", "optuna", "--samples", "6"]
+    command += ["--max-concurrent", "1", "--scheduler", "fifo", "--metric", "train/loss", "--mode", "min"]
     command += ["--name", "resume"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
+    seen, done = [], set()
     deadline = time.monotonic() + 300
     for line in first.stdout:
         seen.append(line)
-        if " done" in line and line.split()[0].endswith("_00000"):
+        words = line.split()
+        if len(words) > 1 and words[-1] == "done":
+            done.add(words[0])
+        if len(done) == 3:
             first.send_signal(signal.SIGINT)
             break
         assert time.monotonic() < deadline, "".join(seen[-30:])
     first.communicate(timeout=120)
     runs = RunFolder(f"{storage}/resume/runs")
-    finished = RunFolder(runs.uri(next(name for name in runs.children() if name.endswith("_00000"))))
-    before = objects(finished)
+    before = {name: objects(RunFolder(runs.uri(name))) for name in done}
 
     # the resume on a Ray instance of its own, beside the session's: it uses only its own
     alone = {key: value for key, value in env.items() if key != "RAY_ADDRESS"}
@@ -276,17 +344,65 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session
     results = tmp_path / "results.csv"
     results.write_text(RunFolder(f"{storage}/resume").read_text("results.csv"))
     rows = read_rows(results)
-    assert sorted((r["optim.lr"], r["status"], r["reports"]) for r in rows) == [
-        ("0.05", "done", "2"),
-        ("1e-12", "done", "2"),
-    ]
-    after = objects(finished)
-    changed = [p for p in after if before.get(p) != after[p] and "tfevents" not in p]
-    assert not changed, changed
+    assert [(r["status"], r["reports"]) for r in rows] == [("done", "1")] * 6, rows
+    started = {r["trial"]: json.loads(RunFolder(runs.uri(r["trial"])).read_text("goodput.json")) for r in rows}
+    rows.sort(key=lambda r: started[r["trial"]]["commands"][0]["started"])  # the order the searcher drew them
+    for name, files in before.items():
+        after = objects(RunFolder(runs.uri(name)))
+        assert not [p for p in after if files.get(p) != after[p] and "tfevents" not in p], name
+
+    replay = OptunaSearch(sampler=tpe_sampler(0, 6))
+    replay.set_search_properties("train/loss", "min", {"optim.lr": tune.loguniform(1e-4, 0.1)})
+    for index, row in enumerate(rows):
+        assert replay.suggest(str(index))["optim.lr"] == pytest.approx(float(row["optim.lr"]), rel=1e-9), index
+        replay.on_trial_complete(str(index), {"train/loss": float(row["train/loss"])})
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(finished.uri("tensorboard")).Reload()  # TensorBoard reads s3:// (with boto3)
+    events = EventAccumulator(runs.uri(next(iter(done)), "tensorboard")).Reload()  # TensorBoard reads s3://
     assert events.Scalars("train/loss"), events.Tags()
+
+
+def test_pbt_has_a_lagging_trial_go_on_from_the_better_one_s_checkpoint_with_a_perturbed_lr(
+    ray_session, tmp_path, mshnet_data
+):
+    """Two trials, lr 0.05 and 1e-6: at a perturbation the lagging one takes the other's latest
+    checkpoint (a copy in its own folder) with a perturbed lr and goes on from its step; the
+    exploit is in its folder and the table, and its checkpoints carry the lr it trained with at each
+    step, which best.yaml writes out for the winner."""
+    from raytpu.driver.tune import sweep
+    from raytpu.records import summary as run_summary
+    from raytpu.storage.run_folder import RunFolder
+
+    flags = ["--search", "optim.lr=grid(0.05, 1e-6)", "--samples", "1", "--scheduler", "pbt"]
+    flags += ["--perturbation-interval", "1", "--quantile-fraction", "0.5", "--metric", "train/loss", "--mode", "min"]
+    flags += ["--max-concurrent", "2", "--name", "pbt"]
+    rest, tuned, _ = split_flags([*TINY, "loop.epochs=4", f"data.path={mshnet_data}", f"run.storage_path={tmp_path}"])
+    cfg, job = load_config(SMALL, rest + tuned + split_flags(flags)[1])
+    summary = sweep(cfg, job)
+
+    rows = {row["optim.lr"]: row for row in read_rows(tmp_path / "pbt" / "results.csv")}
+    assert all(row["status"] == "done" and row["reports"] == "4" for row in rows.values()), rows
+    runs = tmp_path / "pbt" / "runs"
+    exploits = {path.parent.name: json.loads(path.read_text()) for path in runs.glob("*/exploits.json")}
+    assert exploits, rows  # the lagging trial went on from the other's checkpoint at least once
+    trial, taken = next(iter(exploits.items()))
+    last = taken[-1]  # an exploit ends the trial's own line of checkpoints: the last one's line is left
+    assert last["from_trial"] != trial and last["checkpoint"].startswith(str(runs / last["from_trial"]))
+    copied = runs / trial / "exploited" / f"{len(taken)}-{Path(last['checkpoint']).name}"
+    assert json.loads((copied / "meta.json").read_text())["step"] == last["step"]
+    lr = float(last["values"]["optim.lr"])
+    assert lr > 0 and lr not in (0.05, 1e-6)  # perturbed, or drawn again from its range
+    own = run_summary.checkpoints(RunFolder(runs / trial))
+    assert all(meta["step"] > last["step"] for meta in own), own  # none of the line it left
+    final = max(meta["step"] for name in exploits | {r["trial"]: 0 for r in rows.values()} for meta in
+                run_summary.checkpoints(RunFolder(runs / name)))  # fmt: skip
+    if last["step"] < final:  # it went on from there with its own lr, after the taken history
+        assert own and all(meta["lr_steps"][-1] == [last["step"], lr] for meta in own), own
+        assert own[0]["lr_steps"][0][0] == 0 and len(own[0]["lr_steps"]) >= 2, own
+    table = next(row for row in rows.values() if row["trial"] == trial)
+    assert table["exploits"].startswith(f"{len(exploits[trial])}, last from ")
+    best = load_config(summary["best_config"])[0]
+    assert best.optim.lr in (0.05, 1e-6) and all(int(step) > 0 for step in best.optim.lr_changes)
 
 
 def objects(folder) -> dict[str, tuple]:

@@ -378,6 +378,8 @@ def free_port() -> int:
 AUTOSCALING_CLIENT = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
 #: Ray Train's elastic scaling policy (its look at the resources the autoscaling coordinator reserved)
 ELASTIC_POLICY = "ray.train.v2._internal.execution.scaling_policy.elastic"
+#: Ray Train's placement-group cleaner, which removes a dead controller's placement group
+PLACEMENT_GROUP_CLEANER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
 
 
 def quiet_train_controller() -> None:
@@ -398,6 +400,11 @@ def quiet_train_controller() -> None:
     for name in (AUTOSCALING_CLIENT, ELASTIC_POLICY):
         logging.getLogger(name).addFilter(without_traceback)
     threading.excepthook = one_line_for(threading.excepthook, "PlacementGroupCleanerMonitor")
+    # a controller Tune stopped (a trial ended early, or restarted from another's checkpoint by PBT):
+    # Ray's cleaner then releases its placement group, which it says with the ids of everything involved
+    logging.getLogger(PLACEMENT_GROUP_CLEANER).addFilter(
+        lambda record: not record.getMessage().startswith("Detected that the Ray Train controller actor")
+    )
 
 
 def one_line_for(hook: Callable[[Any], None], thread_name: str) -> Callable[[Any], None]:
@@ -406,7 +413,7 @@ def one_line_for(hook: Callable[[Any], None], thread_name: str) -> Callable[[Any
     line, and every other thread's error is ``hook``'s."""
 
     def excepthook(args: Any) -> None:
-        if args.thread is not None and args.thread.name == thread_name:
+        if args.thread is not None and args.thread.name == thread_name and args.exc_type is not SystemExit:
             print(f"{thread_name} stopped: {args.exc_type.__name__}: {args.exc_value}", file=sys.stderr, flush=True)
             return
         hook(args)

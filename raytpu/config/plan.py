@@ -357,11 +357,13 @@ def storage_of(cfg: Config) -> str:
 def driver_values(cfg: Config) -> dict[str, Any]:
     """What the driver fixes from where it runs (:attr:`Facts.anchors`): the local paths the workers
     read made absolute as the command that names them means them (relative to where it runs: the
-    run's storage, the weights to start from, XLA's compile cache), and the trackers' settings from
+    run's storage, the weights or checkpoint to start from, XLA's compile cache), and the trackers' settings from
     its environment (:func:`tracking`)."""
     values: dict[str, Any] = {"run.storage_path": storage_of(cfg)}
     if cfg.checkpoint.weights and not is_remote(cfg.checkpoint.weights) and Path(cfg.checkpoint.weights).exists():
         values["checkpoint.weights"] = str(Path(cfg.checkpoint.weights).resolve())
+    if cfg.checkpoint.resume_from and not is_remote(cfg.checkpoint.resume_from):
+        values["checkpoint.resume_from"] = str(Path(cfg.checkpoint.resume_from).resolve())
     if cfg.xla.compile_cache not in ("", "none"):
         values["xla.compile_cache"] = str(Path(cfg.xla.compile_cache).resolve())
     return {**values, **tracking(cfg)}

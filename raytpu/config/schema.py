@@ -104,6 +104,9 @@ class OptimSettings:
     warmup_steps: int = 0
     warmup_ratio: float = 0.0  # used when warmup_steps is 0: ceil(ratio x total steps) warm-up steps
     min_lr_ratio: float = 0.0
+    # the base lr from each step on ({0: 0.01, 40: 0.012}; {} = optim.lr throughout), the schedule's
+    # shape applied to it: what a population-based sweep's best.yaml writes of its winner's lr
+    lr_changes: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,9 @@ class CheckpointSettings:
     num_to_keep: int = 2
     resume: bool = True  # continue from the run's latest checkpoint when there is one
     weights: str = ""  # checkpoint dir or weights file to start from / to test
+    # a checkpoint whose whole training state (weights, optimizer, schedule, step, data position) the
+    # run starts from, instead of its own checkpoints of earlier commands (--resume_from_checkpoint PATH)
+    resume_from: str = ""
     max_failures: int = 0
 
 
@@ -166,7 +172,8 @@ class TuneSettings:
     num_samples: int = 4
     metric: str = ""  # "" = valid/<the job's main metric>
     mode: str = ""  # max | min; "" = the job's
-    scheduler: str = "asha"  # asha | fifo
+    search_alg: str = "random"  # random (and grid) | optuna (TPE, learning from the finished trials)
+    scheduler: str = "asha"  # asha | fifo | pbt
     max_t: int = 0  # ASHA horizon in reports (eval rounds); 0 = the reports a full trial makes
     grace_period: int = 1
     reduction_factor: float = 2.0
@@ -174,6 +181,9 @@ class TuneSettings:
     name: str = ""  # "" = <run.name>-tune; the same name resumes the sweep
     lr_scaling: str = "none"  # none | linear | sqrt, relative to reference_batch_size
     reference_batch_size: int = 0  # 0 = the config's data.global_batch_size
+    perturbation_interval: int = 1  # pbt: reports between two looks at the population
+    quantile_fraction: float = 0.25  # pbt: the share of the population that copies the best (at most 0.5)
+    mutations: dict[str, str] = field(default_factory=dict)  # pbt: key -> domain it may take; {} = optim.lr's
 
 
 @dataclass(frozen=True)

@@ -114,13 +114,11 @@ def report_to(value: Any) -> Pairs:
 
 
 def resume_from_checkpoint(value: Any) -> Pairs:
+    """Transformers' ``--resume_from_checkpoint``: true/false, or the checkpoint whose whole training
+    state the run starts from (``checkpoint.resume_from``)."""
     if isinstance(value, bool):
         return [("checkpoint.resume", value)]
-    warn(
-        f"--resume_from_checkpoint {value} is ignored: a run resumes from its own latest checkpoint when run "
-        "again; to start from other weights pass --checkpoint PATH"
-    )
-    return []
+    return [("checkpoint.resume_from", str(value))]
 
 
 FSDP_MODES = {"full_shard", "shard_grad_op", "auto_wrap"}

@@ -29,7 +29,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "loop.sync_batchnorm": ("auto", "true", "false"),
     "loop.compile": ("auto", "true", "false"),
     "loop.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
-    "tune.scheduler": ("asha", "fifo"),
+    "tune.scheduler": ("asha", "fifo", "pbt"),
+    "tune.search_alg": ("random", "optuna"),
     "tune.mode": ("", "max", "min"),
     "tune.lr_scaling": ("none", "linear", "sqrt"),
 }
@@ -83,6 +84,8 @@ LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "tune.reduction_factor": (1, False),
     "tune.max_concurrent": (0, True),
     "tune.reference_batch_size": (0, True),
+    "tune.perturbation_interval": (1, True),
+    "tune.quantile_fraction": (0, False),
 }
 
 #: dotted key -> (highest allowed value, whether that value itself is allowed)
@@ -91,6 +94,7 @@ UPPER_BOUNDS: dict[str, tuple[float, bool]] = {
     "optim.min_lr_ratio": (1, True),
     "optim.warmup_ratio": (1, True),
     "loop.ema_beta": (1, False),
+    "tune.quantile_fraction": (0.5, True),
 }
 
 
@@ -110,6 +114,12 @@ def validate(cfg: Config, job: Job | None = None) -> None:
         kind_of(cfg.scaling.runtime)  # a registered runtime, or a module that describes one
     for key, (low, inclusive) in LOWER_BOUNDS.items():
         check_number(key, get_dotted(cfg, key), (low, inclusive), UPPER_BOUNDS.get(key))
+    for step, lr in cfg.optim.lr_changes.items():
+        if not (isinstance(step, int) and step >= 0 and isinstance(lr, (int, float)) and lr > 0):
+            raise ConfigError(
+                f"optim.lr_changes maps a step (a whole number, at least 0) to the base lr from then on, "
+                f"e.g. {{0: 0.01, 40: 0.012}}; got {step!r}: {lr!r}"
+            )
     betas = cfg.optim.betas
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {betas}")

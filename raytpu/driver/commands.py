@@ -126,12 +126,14 @@ def prepare(
     stop: str = "",
     script: ScriptPlan | None = None,
     marks: dict[str, float] | None = None,
+    memory: bool = True,
 ) -> Plan:
     """Every command's one preparation: every check it needs, what the cluster offers, the plan
     (:func:`~raytpu.config.plan.make_plan`), the workers against the cluster, a resume against the
     run's checkpoints, the memory estimate, and the lines that say it. ``mode``: train, test or
     launch (a Tune sweep prepares its train run once); ``job`` None: a launched ``script``, whose
-    data and model are its own. ``marks`` gets when the driver began and ended joining Ray."""
+    data and model are its own. ``marks`` gets when the driver began and ended joining Ray;
+    ``memory`` False: the caller checks the memory itself (a sweep, value by value)."""
     data_root, sizes = preflight.check_run(cfg, job, mode, address, local)
     marks = {} if marks is None else marks
     marks["connect"] = time.time()
@@ -163,8 +165,8 @@ def prepare(
     plan = make_plan(cfg, facts)
     preflight.check_placement(plan)
     preflight.check_resume_sharding(plan)
-    memory = check_memory(plan.config, job, offer.accelerator_types("GPU")) if job else []
-    say(plan, memory)
+    estimate = check_memory(plan.config, job, offer.accelerator_types("GPU")) if job and memory else []
+    say(plan, estimate)
     return plan
 
 

@@ -58,6 +58,7 @@ def check_run(
         check_reachable(address or os.environ.get("RAY_ADDRESS") or None)
     check_storage(cfg)
     check_weights(cfg)
+    check_resume_from(cfg)
     if mode == "train":
         check_trackers(cfg)
     if job is None:
@@ -177,6 +178,25 @@ def check_weights(cfg: Config) -> None:
         if not found:
             raise ConfigError(f"checkpoint {weights!r} not found; {ckpt.EXPECTED}")
     ckpt.check_weights(weights)
+
+
+def check_resume_from(cfg: Config) -> None:
+    """``checkpoint.resume_from`` / ``--resume_from_checkpoint PATH``: a whole raytpu checkpoint."""
+    start = cfg.checkpoint.resume_from
+    if not start:
+        return
+    if is_remote(start):
+        check_location(start, "checkpoint.resume_from")
+    folder = RunFolder(start)
+    try:
+        whole = folder.exists(ckpt.META)
+    except OSError as exc:
+        raise ConfigError(f"checkpoint.resume_from {start}: {diagnose(start, str(exc))}") from exc
+    if not whole:
+        raise ConfigError(
+            f"checkpoint.resume_from {start!r} is not a whole raytpu checkpoint (a checkpoint_* folder with "
+            f"{ckpt.META}); to start from weights alone pass --checkpoint PATH"
+        )
 
 
 def check_data(cfg: Config, job: Job, data_root: Path, mode: str) -> dict[str, int]:

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytpu.config import Config, ConfigError, with_values
+from raytpu.config.plan import Plan
 from raytpu.config.validation import validate
+from raytpu.job import Job
 
 #: domain name -> number of arguments (None = one or more)
 DOMAINS: dict[str, int | None] = {"choice": None, "grid": None, "uniform": 2, "loguniform": 2, "randint": 2}
@@ -35,6 +37,19 @@ class Search:
             return tune.loguniform(*self.args)
         return tune.randint(*self.args)
 
+    def values(self) -> list[Any] | None:
+        """Every value a discrete domain may take (None for a range, or a randint of more than
+        :data:`MOST_VALUES`)."""
+        if self.kind in ("choice", "grid"):
+            return list(self.args)
+        if self.kind == "randint" and self.args[1] - self.args[0] <= MOST_VALUES:
+            return list(range(self.args[0], self.args[1]))
+        return None
+
+    def keeping(self, values: list[Any]) -> Search:
+        """This search over ``values`` only (a randint's become a choice)."""
+        return Search(self.key, "grid" if self.kind == "grid" else "choice", tuple(values))
+
     def candidates(self) -> list[Any]:
         """Values to check against the config before any trial starts."""
         if self.kind in ("choice", "grid"):
@@ -43,6 +58,9 @@ class Search:
             return [self.args[0], self.args[1] - 1]
         return [float(self.args[0]), float(self.args[1])]
 
+
+#: the most values of a randint domain that are each checked against the memory estimate
+MOST_VALUES = 64
 
 SEARCH_PATTERN = re.compile(r"^\s*([\w.]+)\s*=\s*(\w+)\s*\((.*)\)\s*$")
 
@@ -96,15 +114,107 @@ def _is_real(value: Any) -> bool:
 
 
 def searches_of(cfg: Config) -> list[Search]:
-    """The config's ``tune.search`` mapping, parsed and checked against the config."""
+    """The config's ``tune.search`` mapping, parsed and checked against the config and against the
+    search algorithm and scheduler that draw from it."""
     if not cfg.tune.search:
         raise ConfigError(
             "nothing to search: pass --search 'optim.lr=loguniform(1e-4,1e-1)' (repeatable) or set tune.search"
         )
-    searches = [parse_search(f"{key}={expr}") for key, expr in cfg.tune.search.items()]
+    searches = checked([parse_search(f"{key}={expr}") for key, expr in cfg.tune.search.items()], cfg, "search")
+    if cfg.tune.search_alg == "optuna":
+        check_optuna(cfg, searches)
+    return searches
+
+
+def check_optuna(cfg: Config, searches: list[Search]) -> None:
+    """Optuna's TPE draws from ranges and choices and learns from the trials; Tune's grid and PBT's
+    population sampling are not its."""
+    import importlib.util
+
+    if importlib.util.find_spec("optuna") is None:
+        raise ConfigError("--search-alg optuna needs Optuna: pip install 'raytpu[optuna]'")
+    grids = [search.key for search in searches if search.kind == "grid"]
+    if grids:
+        raise ConfigError(
+            f"--search-alg optuna draws each trial's values itself: {', '.join(grids)} is a grid(), Tune's own "
+            "enumeration; use choice(...) with Optuna, or grid() with --search-alg random"
+        )
+    if cfg.tune.scheduler == "pbt":
+        raise ConfigError(
+            "--scheduler pbt draws its population at random and then copies and perturbs it: use it with "
+            "--search-alg random (Optuna's TPE goes with asha or fifo)"
+        )
+
+
+def mutations_of(cfg: Config, searches: list[Search]) -> list[Search]:
+    """PBT's ``tune.mutations``: the keys it may perturb and the domains it resamples them from
+    (default: ``optim.lr``, from its searched domain, else a decade either side of the config's)."""
+    if cfg.tune.scheduler != "pbt":
+        if cfg.tune.mutations:
+            raise ConfigError("tune.mutations (--mutate) is what --scheduler pbt perturbs; add --scheduler pbt")
+        return []
+    if not cfg.tune.mutations:
+        return [lr_mutation(cfg, next((search for search in searches if search.key == "optim.lr"), None))]
+    mutations = checked([parse_search(f"{key}={expr}") for key, expr in cfg.tune.mutations.items()], cfg, "mutation")
+    grids = [mutation.key for mutation in mutations if mutation.kind == "grid"]
+    if grids:
+        raise ConfigError(f"--mutate {grids[0]}: PBT resamples a mutation: give choice(...) or a range, not grid()")
+    return mutations
+
+
+def lr_mutation(cfg: Config, searched: Search | None) -> Search:
+    """What PBT perturbs by default: ``optim.lr`` within its searched range (a grid's or choice's
+    lowest to highest value), else a decade either side of the config's."""
+    if searched is not None and searched.kind in ("uniform", "loguniform"):
+        return searched
+    values = [float(value) for value in (searched.values() or []) if _is_real(value)] if searched else []
+    if values and 0 < min(values) < max(values):
+        return Search("optim.lr", "loguniform", (min(values), max(values)))
+    return Search("optim.lr", "loguniform", (cfg.optim.lr / 10, cfg.optim.lr * 10))
+
+
+def checked(searches: list[Search], cfg: Config, what: str) -> list[Search]:
+    """``searches`` whose keys may be searched and whose every value the config accepts."""
     for search in searches:
         if search.key.startswith("tune.") or search.key in ("job.name", "run.name", "run.storage_path"):
-            raise ConfigError(f"search key {search.key!r} cannot be searched; search training settings")
+            raise ConfigError(f"{what} key {search.key!r} cannot be searched; search training settings")
         for value in search.candidates():
             validate(with_values(cfg, {search.key: value}))
     return searches
+
+
+def within_memory(searches: list[Search], plan: Plan, job: Job) -> list[Search]:
+    """Trials that cannot fit are never started: each value of a discrete domain (the other keys at
+    the config's values) checked against the memory estimate for the cluster's devices, those
+    that cannot fit left out and named in one line, a ConfigError when a domain keeps none; with no
+    such domain, the config itself checked. Nothing where the device memory is unknown (a CPU)."""
+    from raytpu.config.memory import GB, USABLE, check_memory, device_memory, estimate_run, size
+
+    gpu_kinds = plan.facts.offer.accelerator_types("GPU")
+    memory, what = device_memory(plan.config, gpu_kinds)
+    discrete = [search for search in searches if search.values() is not None]
+    if memory is None or not discrete:
+        say_notes(check_memory(plan.config, job, gpu_kinds))
+        return searches
+    kept = []
+    for search in searches:
+        values = search.values()
+        needs = {value: estimate_run(plan.remade({search.key: value}).config, job).total for value in values or []}
+        too_big = [value for value, need in needs.items() if need > USABLE * memory * GB]
+        if not too_big:
+            kept.append(search)
+            continue
+        named = ", ".join(f"{value} (about {size(needs[value])})" for value in too_big)
+        if len(too_big) == len(needs):
+            raise ConfigError(
+                f"{search.key}: no value fits {USABLE:.0%} of the {memory:g} GB of {what}: {named}; search smaller "
+                "values, or shard the model (sharding.strategy=full_shard)"
+            )
+        say_notes([f"{search.key}: {named} cannot fit {USABLE:.0%} of the {memory:g} GB of {what}: left out"])
+        kept.append(search.keeping([value for value in values or [] if value not in too_big]))
+    return kept
+
+
+def say_notes(notes: list[str]) -> None:
+    for note in notes:
+        print(f"raytpu: {note}", flush=True)

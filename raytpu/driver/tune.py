@@ -17,11 +17,15 @@ import io
 import json
 import math
 import sys
+import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
+from ray.exceptions import RayActorError
+from ray.train import UserCallback
 from ray.tune import Callback
 
 from raytpu.cluster.capacity import read_offer
@@ -31,15 +35,16 @@ from raytpu.config.args import extract
 from raytpu.config.loading import read_config
 from raytpu.config.plan import Plan, storage_of, worker_range
 from raytpu.driver.ray_trainer import ray_storage, wait_for_workers, worker_bundles
-from raytpu.driver.search import Search, parse_search, searches_of
+from raytpu.driver.search import Search, mutations_of, parse_search, searches_of, within_memory
 from raytpu.job import Job
 from raytpu.records import goodput
 from raytpu.records import summary as run_summary
 from raytpu.records.goodput import Command
+from raytpu.records.summary import CHECKPOINT_NAME
 from raytpu.records.trackers import TRACKERS, quick_mlflow_requests
 from raytpu.runtime.placement import concurrent_fits
 from raytpu.storage.filesystems import join
-from raytpu.storage.run_folder import RunFolder
+from raytpu.storage.run_folder import RunFolder, copy_folder
 
 #: what a trial's driver reserves: no CPU (it only waits on its TorchTrainer, whose workers need
 #: the CPUs: with any CPU here, 2 workers x 1 CPU never fit a 2-CPU machine) and 1 MiB of memory,
@@ -61,7 +66,16 @@ FLAGS = {
     "--max-t": "tune.max_t",
     "--grace-period": "tune.grace_period",
     "--reduction-factor": "tune.reduction_factor",
+    "--search-alg": "tune.search_alg",
+    "--perturbation-interval": "tune.perturbation_interval",
+    "--quantile-fraction": "tune.quantile_fraction",
 }
+#: a trial's Tune checkpoint: which raytpu checkpoint it stands for (Tune copies it; the weights stay put)
+POINTER = "raytpu_checkpoint.json"
+#: a trial's record of the checkpoints of other trials it went on from (population-based training)
+EXPLOITS = "exploits.json"
+#: what Ray Train keeps of a run's checkpoints, read when a run of that name starts again
+RAY_TRAIN_STATE = "checkpoint_manager_snapshot.json"
 
 
 # ------------------------------------------------------------------ trials
@@ -85,26 +99,102 @@ def scaled_lr(lr: float, batch: int, tune_cfg: Any, config_batch: int) -> float:
 
 
 def run_trial(values: dict[str, Any], sweep_plan: dict[str, Any], runs_dir: str, parent: dict[str, str]) -> None:
-    """The Tune trainable: the trial's plan (the sweep's, remade with the trial's values), its ``TorchTrainer``;
-    ``parent``: the sweep's tracker settings (its MLflow run, its W&B group)."""
+    """The Tune trainable: the trial's plan (the sweep's, remade with the trial's values), its
+    ``TorchTrainer``, each report passed to Tune with a checkpoint that names the raytpu one; a
+    trial Tune started from another trial's checkpoint (population-based training) goes on from a
+    copy of it. ``parent``: the sweep's tracker settings (its MLflow run, its W&B group)."""
     from ray import tune
-    from ray.tune.integration.ray_train import TuneReportCallback
 
     from raytpu.driver.commands import stage
-    from raytpu.driver.ray_trainer import build_trainer
 
     command = Command()  # the trial: its goodput counts from its own start
     trial_id = tune.get_context().get_trial_id()
-    plan = trial_plan(Plan.from_dict(sweep_plan), values, trial_id, runs_dir, command, parent)
+    start = exploited(trial_id, runs_dir, values)
+    plan = trial_plan(Plan.from_dict(sweep_plan), {**values, **start}, trial_id, runs_dir, command, parent)
     stage(plan)
     folder = RunFolder(plan.run_dir)
     goodput.begin(folder, command)
     outcome = "failed"
     try:
-        build_trainer(plan, callbacks=[TuneReportCallback()]).fit()
+        fit_reporting_to_tune(plan, trial_id)
         outcome = "completed"
     finally:
         goodput.end(folder, command, outcome)
+
+
+def exploited(trial_id: str, runs_dir: str, values: dict[str, Any]) -> dict[str, str]:
+    """``{"checkpoint.resume_from": ...}`` when Tune starts this trial from another trial's checkpoint
+    (PBT's exploit): a copy of it in this trial's folder (the other trial's retention may delete
+    its own), recorded in the trial's ``exploits.json``; nothing for a trial's own checkpoint (a
+    resumed sweep: the trial resumes from its own newest)."""
+    from ray import tune
+
+    found = tune.get_checkpoint()
+    if found is None:
+        return {}
+    with found.as_directory() as directory:
+        pointer = json.loads((Path(directory) / POINTER).read_text())
+    if pointer["trial"] == trial_id:
+        return {}
+    folder = RunFolder(join(runs_dir, trial_id))
+    exploits = json.loads(folder.read_text(EXPLOITS) or "[]")
+    copy = folder.uri("exploited", f"{len(exploits) + 1}-{Path(pointer['checkpoint']).name}")
+    copy_folder(pointer["checkpoint"], copy)
+    for name in [*folder.children(), RAY_TRAIN_STATE]:  # its own line of checkpoints ends here
+        if CHECKPOINT_NAME.match(name) or name == RAY_TRAIN_STATE:
+            folder.remove(name)
+    exploits.append({"from_trial": pointer["trial"], "checkpoint": pointer["checkpoint"], "step": pointer["step"]})
+    exploits[-1]["values"] = values
+    folder.write_text(EXPLOITS, json.dumps(exploits, indent=2))
+    return {"checkpoint.resume_from": copy}
+
+
+class TrialReports(UserCallback):
+    """On a trial's Ray Train controller: each report's metrics and its checkpoint's folder name,
+    put on the trial's queue, which the trial's Tune session reads."""
+
+    def __init__(self, queue: Any) -> None:
+        self.queue = queue
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        with contextlib.suppress(RayActorError):  # Tune stopped the trial: its queue is gone with it
+            self.queue.put((metrics[0], Path(checkpoint.path).name if checkpoint else None))
+
+
+def fit_reporting_to_tune(plan: Plan, trial_id: str) -> None:
+    """The trial's ``TorchTrainer`` on a thread of its own, while this one passes each report to
+    Tune with a checkpoint naming the raytpu one (what PBT copies from trial to trial, and what a
+    resumed sweep restarts a trial from); the trainer's error, if any, raised here."""
+    from ray import tune
+    from ray.util.queue import Queue
+
+    from raytpu.driver.ray_trainer import build_trainer
+
+    queue, failed = Queue(actor_options={"num_cpus": 0}), []
+
+    def fit() -> None:
+        try:
+            build_trainer(plan, callbacks=[TrialReports(queue)]).fit()
+        except BaseException as exc:
+            failed.append(exc)
+        finally:
+            with contextlib.suppress(RayActorError):  # Tune stopped the trial: its queue is gone with it
+                queue.put(None)
+
+    thread = threading.Thread(target=fit, name="raytpu-trial", daemon=True)
+    thread.start()
+    while (item := queue.get()) is not None:
+        metrics, name = item
+        if name is None:
+            tune.report(metrics)
+            continue
+        with tempfile.TemporaryDirectory() as directory:
+            pointer = {"trial": trial_id, "checkpoint": join(plan.run_dir, name), "step": metrics.get("step")}
+            (Path(directory) / POINTER).write_text(json.dumps(pointer))
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(directory))
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def trial_plan(
@@ -173,6 +263,7 @@ class Sweep:
 
     def __init__(self, cfg: Config, job: Job, searches: list[Search], data_root: str = "") -> None:
         self.cfg, self.job, self.searches = cfg, job, searches
+        self.mutations = mutations_of(cfg, searches)  # what PBT perturbs ([] for the other schedulers)
         self.metric = cfg.tune.metric or f"valid/{job.main_metric}"
         self.mode = cfg.tune.mode or job.main_metric_mode
         self.name = cfg.tune.name or f"{cfg.run.name}-tune"
@@ -182,9 +273,23 @@ class Sweep:
         self.data_root = data_root or cfg.data.path
 
     @property
+    def keys(self) -> list[str]:
+        """The keys a trial's values set: the searched ones, then those PBT alone perturbs."""
+        searched = [s.key for s in self.searches]
+        return searched + [m.key for m in self.mutations if m.key not in searched]
+
+    @property
     def columns(self) -> list[str]:
         scaled = ["lr (scaled)"] if self.cfg.tune.lr_scaling != "none" else []
-        return ["trial", *(s.key for s in self.searches), *scaled, self.metric, "goodput", "reports", "status"]
+        exploits = ["exploits"] if self.mutations else []
+        return ["trial", *self.keys, *scaled, self.metric, "goodput", "reports", "status", *exploits]
+
+    def exploits(self, trial_id: str) -> str | None:
+        """A PBT trial's exploits, in a few words: ``2, last from <trial> at step 8``."""
+        found = json.loads(RunFolder(join(self.dir, "runs", trial_id)).read_text(EXPLOITS) or "[]")
+        if not found:
+            return None
+        return f"{len(found)}, last from {found[-1]['from_trial']} at step {found[-1]['step']}"
 
     def row(self, trial_id: str, values: dict[str, Any], metrics: dict[str, Any] | None, status: str) -> dict:
         metrics = metrics or {}
@@ -196,6 +301,9 @@ class Sweep:
         row["status"] = status.lower()
         if self.cfg.tune.lr_scaling != "none":
             row["lr (scaled)"] = trial_config(self.cfg, values).optim.lr
+        if self.mutations:
+            with contextlib.suppress(OSError):  # a store that stopped answering: the table goes on
+                row["exploits"] = self.exploits(trial_id)
         return row
 
 
@@ -260,8 +368,8 @@ def sweep(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
             f"{cfg.scaling.num_workers} is an elastic range, for raytpu train; give one size (scaling.num_workers=N)"
         )
     searches = searches_of(cfg)
-    plan = prepare(cfg, "train", job, address)
-    sweep = Sweep(cfg, job, searches, plan.facts.data_root)
+    plan = prepare(cfg, "train", job, address, memory=False)
+    sweep = Sweep(cfg, job, within_memory(searches, plan, job), plan.facts.data_root)
     concurrent = max_concurrent_trials(plan.config, read_offer(this_machine=joined_here()).capacities())
     runs = join(sweep.dir, "runs")
     parent = sweep_trackers(plan.config, sweep)
@@ -345,7 +453,6 @@ def end_sweep_trackers(cfg: Config, parent: dict[str, str], status: str = "FINIS
 
 def make_tuner(sweep: Sweep, trainable: Any, concurrent: int) -> Any:
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     storage = ray_storage(sweep.storage)
     fs, path = storage.get("storage_filesystem"), join(storage["storage_path"], sweep.name)
@@ -353,16 +460,6 @@ def make_tuner(sweep: Sweep, trainable: Any, concurrent: int) -> Any:
         print(f"raytpu: resuming sweep {sweep.dir} (finished trials are kept)", flush=True)
         return tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True, storage_filesystem=fs)
     tc = sweep.cfg.tune
-    scheduler = (
-        ASHAScheduler(
-            time_attr=REPORT_COUNT,
-            max_t=sweep.max_t,
-            grace_period=tc.grace_period,
-            reduction_factor=tc.reduction_factor,
-        )
-        if tc.scheduler == "asha"
-        else FIFOScheduler()
-    )
     return tune.Tuner(
         trainable,
         param_space={s.key: s.domain() for s in sweep.searches},
@@ -370,7 +467,8 @@ def make_tuner(sweep: Sweep, trainable: Any, concurrent: int) -> Any:
             metric=sweep.metric,
             mode=sweep.mode,
             num_samples=tc.num_samples,
-            scheduler=scheduler,
+            search_alg=search_algorithm(sweep),
+            scheduler=trial_scheduler(sweep),
             max_concurrent_trials=concurrent,
         ),
         run_config=tune.RunConfig(
@@ -380,6 +478,53 @@ def make_tuner(sweep: Sweep, trainable: Any, concurrent: int) -> Any:
             verbose=0,
         ),
     )
+
+
+def search_algorithm(sweep: Sweep) -> Any:
+    """``tune.search_alg``: None for Tune's random and grid sampling; Optuna's TPE (:func:`tpe_sampler`),
+    learning from every finished trial (its state is saved with the sweep, so the same command
+    resumes the same search)."""
+    if sweep.cfg.tune.search_alg != "optuna":
+        return None
+    import optuna
+    from ray.tune.search.optuna import OptunaSearch
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return OptunaSearch(sampler=tpe_sampler(sweep.cfg.run.seed, sweep.cfg.tune.num_samples))
+
+
+def tpe_sampler(seed: int, trials: int) -> Any:
+    """Optuna's TPE, seeded, drawing its first trials at random: a third of the sweep's, 2 to 10
+    (Optuna's own 10 would leave a small sweep nothing to learn from)."""
+    import optuna
+
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(2, trials // 3)))
+
+
+def trial_scheduler(sweep: Sweep) -> Any:
+    """``tune.scheduler``: ASHA stops the poor trials at its rungs (the loop's report count its
+    time), FIFO runs every trial to its end, PBT has the poor ones go on from a better one's
+    checkpoint with perturbed values every ``tune.perturbation_interval`` reports."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+
+    tc = sweep.cfg.tune
+    if tc.scheduler == "asha":
+        return ASHAScheduler(
+            time_attr=REPORT_COUNT,
+            max_t=sweep.max_t,
+            grace_period=tc.grace_period,
+            reduction_factor=tc.reduction_factor,
+        )
+    if tc.scheduler == "pbt":
+        # Tune's advice to reuse actors is for class trainables: a trial here is a TorchTrainer's driver
+        warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
+        return PopulationBasedTraining(
+            time_attr=REPORT_COUNT,
+            perturbation_interval=tc.perturbation_interval,
+            hyperparam_mutations={mutation.key: mutation.domain() for mutation in sweep.mutations},
+            quantile_fraction=tc.quantile_fraction,
+        )
+    return FIFOScheduler()
 
 
 def finish(sweep: Sweep, results: Any) -> dict[str, Any]:
@@ -396,8 +541,8 @@ def finish(sweep: Sweep, results: Any) -> dict[str, Any]:
     write_hparams(sweep, rows)
     if scored:
         best = (max if sweep.mode == "max" else min)(scored, key=lambda r: r[sweep.metric])
-        values = {s.key: best[s.key] for s in sweep.searches}
-        best_path = write_best_config(sweep, values)
+        values = {key: best[key] for key in sweep.keys}
+        best_path = write_best_config(sweep, values, best["trial"])
         summary.update(best_config=str(best_path), best_trial=best["trial"], best_metric=best[sweep.metric])
         print(f"best trial:   {best['trial']} {sweep.metric}={best[sweep.metric]:.4g} {values}")
         print(f"best config:  {best_path}  (raytpu train {best_path})")
@@ -442,14 +587,30 @@ def csv_text(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return handle.getvalue()
 
 
-def write_best_config(sweep: Sweep, values: dict[str, Any]) -> str:
-    """A YAML that ``raytpu train`` runs as the best trial ran (same values, seed and scaled lr)."""
+def write_best_config(sweep: Sweep, values: dict[str, Any], trial_id: str) -> str:
+    """A YAML that ``raytpu train`` runs as the best trial ran (same values, seed and scaled lr); a
+    PBT trial's with the base lr it went on with at each step (``optim.lr_changes``), its own and
+    the trials' whose checkpoints it took, and the final values of the other keys PBT perturbed."""
     cfg = with_values(trial_config(sweep.cfg, values), {"run.name": f"{sweep.name}-best", "data.path": sweep.data_root})
     cfg = dataclasses.replace(cfg, tune=TuneSettings())  # runtime and the rest as asked: best.yaml stays portable
     header = f"# best trial of sweep {sweep.name} on {sweep.metric} ({sweep.mode}): {values}\n"
+    if sweep.mutations:
+        cfg = with_values(cfg, lr_schedule(RunFolder(join(sweep.dir, "runs", trial_id))))
+        header += "# trained by population-based training: the lr it went on with is optim.lr_changes\n"
     folder = RunFolder(sweep.dir)
     folder.write_text("best.yaml", header + dump_yaml(cfg))
     return folder.uri("best.yaml")
+
+
+def lr_schedule(trial: RunFolder) -> dict[str, Any]:
+    """``optim.lr`` and ``optim.lr_changes`` from the base lrs the trial's newest checkpoint went on
+    with, step by step (``lr_steps`` in its ``meta.json``, carried over from the checkpoints it took)."""
+    found = run_summary.checkpoints(trial)
+    steps = found[-1].get("lr_steps", []) if found else []
+    if not steps:
+        return {}
+    changes = {int(step): float(lr) for step, lr in steps[1:]}
+    return {"optim.lr": float(steps[0][1]), "optim.lr_changes": changes}
 
 
 def write_hparams(sweep: Sweep, rows: list[dict[str, Any]]) -> None:
@@ -462,7 +623,7 @@ def write_hparams(sweep: Sweep, rows: list[dict[str, Any]]) -> None:
         trial = RunFolder(join(sweep.dir, "runs", row["trial"]))
         if not trial.exists("tensorboard") or row[sweep.metric] is None:
             continue
-        values = {s.key: row[s.key] for s in sweep.searches}
+        values = {key: row[key] for key in sweep.keys}
         with SummaryWriter(log_dir=str(trial.local("tensorboard"))) as writer:
             for summary in hparams(values, {sweep.metric: row[sweep.metric]}):
                 writer.file_writer.add_summary(summary)
@@ -472,12 +633,14 @@ def write_hparams(sweep: Sweep, rows: list[dict[str, Any]]) -> None:
 # -------------------------------------------------------------------- CLI
 def split_flags(overrides: list[str]) -> tuple[list[str], list[str], str | None]:
     """Pull the tune flags (and ``--address``) out of the overrides: (overrides, tune overrides, address)."""
-    rest, found = extract(overrides, valued=[*FLAGS, "--address"], repeated=["--search"], switches=["--verbose"])
+    repeated = ["--search", "--mutate"]
+    rest, found = extract(overrides, valued=[*FLAGS, "--address"], repeated=repeated, switches=["--verbose"])
     tuned = [f"{FLAGS[flag]}={values[0]}" for flag, values in found.items() if flag in FLAGS]
     tuned += ["logging.verbose=true"] if "--verbose" in found else []
-    searches = {parse_search(text).key: text.split("=", 1)[1].strip() for text in found.get("--search", [])}
-    if searches:
-        tuned.append("tune.search=" + json.dumps(searches))  # JSON is a YAML flow mapping
+    for flag, key in (("--search", "tune.search"), ("--mutate", "tune.mutations")):
+        domains = {parse_search(text).key: text.split("=", 1)[1].strip() for text in found.get(flag, [])}
+        if domains:
+            tuned.append(f"{key}=" + json.dumps(domains))  # JSON is a YAML flow mapping
     return rest, tuned, found.get("--address", [None])[0]
 
 

@@ -84,6 +84,14 @@ class RunFolder:
         found = (info.path[len(root) :].strip("/").split("/")[0] for info in self.fs.get_file_info(selector))
         return sorted({child for child in found if child})
 
+    def remove(self, name: str) -> None:
+        """``name`` (a file or a folder) gone; nothing when there is none."""
+        kind = self.fs.get_file_info(self.path(name)).type
+        if kind == pafs.FileType.Directory:
+            self.fs.delete_dir(self.path(name))
+        elif kind == pafs.FileType.File:
+            self.fs.delete_file(self.path(name))
+
     # ------------------------------------------------------------ growing files
     def local(self, name: str = "") -> Path:
         """The local folder where ``name`` is written: in place on a disk, staged for a bucket."""
@@ -147,3 +155,12 @@ def local_copy(location: str) -> Iterator[Path]:
         yield copy
     finally:
         shutil.rmtree(copy.parent, ignore_errors=True)
+
+
+def copy_folder(source: str, target: str) -> None:
+    """Every file of the folder ``source`` into ``target``, each a path or a bucket URI (a PBT
+    trial's copy of another trial's checkpoint, which that trial's retention may delete)."""
+    source_fs, source_path = filesystem(source)
+    target_fs, target_path = filesystem(target)
+    target_fs.create_dir(target_path, recursive=True)
+    pafs.copy_files(source_path, target_path, source_filesystem=source_fs, destination_filesystem=target_fs)

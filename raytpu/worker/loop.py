@@ -45,12 +45,12 @@ from raytpu.records.goodput import Command
 from raytpu.records.resizes import Regrow
 from raytpu.records.trackers import Trackers, open_trackers
 from raytpu.runtime.base import Runtime
-from raytpu.storage.run_folder import RunFolder
+from raytpu.storage.run_folder import RunFolder, local_copy
 from raytpu.worker.cadence import Cadence, Scoreboard
 from raytpu.worker.data import WorkerData, make_worker_data
 from raytpu.worker.flops import perf_scalars
 from raytpu.worker.logger import RunLogger, watch_grad_norm
-from raytpu.worker.optim import EMA, EMASchedule, build_optimizer, build_scheduler
+from raytpu.worker.optim import EMA, EMASchedule, base_lr_at, build_optimizer, build_scheduler
 from raytpu.worker.reporting import Reporter
 from raytpu.worker.state import Checkpointer, Progress, TrainState
 from raytpu.worker.timing import ProfileWindow, StepClock
@@ -93,7 +93,6 @@ class Trainer:
         job_callbacks = job.callbacks(cfg) if isinstance(job, HasCallbacks) else []
         self.callbacks = [*callbacks, *load_callbacks(cfg.loop.callbacks), *job_callbacks]
         self.progress = Progress()
-        self.checkpointer = Checkpointer(runtime, job.name, to_dict(cfg))
         self.logger: RunLogger | None = None  # set by fit(); test mode has none
         self.data: WorkerData | None = None
         self.model: torch.nn.Module | None = None
@@ -110,6 +109,7 @@ class Trainer:
         self.tokens_per_sample: int | None = None
         self.peak_flops: float | None = None
         self.command_id = command.id if command is not None else ""
+        self.checkpointer = Checkpointer(runtime, job.name, to_dict(cfg), self.command_id)
         recorded = runtime.is_main and command is not None  # rank 0 of a command's run keeps the record
         self.clock = StepClock(
             self.folder if recorded else None, command or Command(), runtime.compile_seconds, runtime.world_size
@@ -166,21 +166,31 @@ class Trainer:
         return TrainState(self.model, self.ema.model if self.ema else None, self.optimizer, self.scheduler)
 
     def _resume(self) -> None:
-        """Continue from the newest checkpoint that reads back whole; a damaged one (a crash
-        mid-write, a bad disk) is skipped with a warning that names it."""
-        if not self.cfg.checkpoint.resume:
-            return
-        with contextlib.closing(self.reporter.resume_candidates()) as candidates:
-            for directory in candidates:
-                where = self.reporter.location_of(directory)
-                try:
-                    loaded = self.checkpointer.read(directory)
-                except ckpt.CheckpointError as exc:
-                    self._message(f"warning: skipping checkpoint {where}: {exc}; trying an older one")
-                    continue
+        """Continue from the newest checkpoint that reads back whole (a damaged one, a crash
+        mid-write or a bad disk, is skipped with a warning that names it); or, with
+        ``checkpoint.resume_from``, from that checkpoint, unless an earlier attempt of this same
+        command wrote a newer one. Training then goes on with the configured base lr."""
+        start = self.cfg.checkpoint.resume_from
+        with contextlib.ExitStack() as copies:  # local copies of a bucket's checkpoints, until restored
+            own = self._own_checkpoint(copies) if self.cfg.checkpoint.resume else None
+            if start and (own is None or own[0]["meta"].get("command") != self.command_id):
+                own = self.checkpointer.read(copies.enter_context(local_copy(start))), start
+            if own is not None:
+                loaded, where = own
                 self.progress, self._restored_metrics = self.checkpointer.restore(loaded, self.state)
                 self._message(f"resumed from {where} at step {self.progress.step} (epoch {self.progress.epoch})")
-                return
+        self.progress.went_on_with(base_lr_at(self.cfg.optim, self.progress.step))
+
+    def _own_checkpoint(self, copies: contextlib.ExitStack) -> tuple[dict[str, Any], str] | None:
+        """The run's newest checkpoint that reads back whole, read, and where it is."""
+        candidates = copies.enter_context(contextlib.closing(self.reporter.resume_candidates()))
+        for directory in candidates:
+            where = self.reporter.location_of(directory)
+            try:
+                return self.checkpointer.read(directory), where
+            except ckpt.CheckpointError as exc:
+                self._message(f"warning: skipping checkpoint {where}: {exc}; trying an older one")
+        return None
 
     # ------------------------------------------------------------- train
     def fit(self) -> dict[str, float]:

@@ -63,12 +63,22 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
+def base_lr_at(cfg: OptimSettings, step: int) -> float:
+    """The base lr at ``step``: ``optim.lr``, or the last of ``optim.lr_changes`` at or before it."""
+    reached = [changed for changed in cfg.lr_changes if int(changed) <= step]
+    return float(cfg.lr_changes[max(reached, key=int)]) if reached else cfg.lr
+
+
 def lr_factor(cfg: OptimSettings, total_steps: int) -> Callable[[int], float]:
-    """Multiplier of the base lr at a step: linear warm-up, then the schedule's shape."""
+    """Multiplier of ``optim.lr`` at a step: the base lr's changes, linear warm-up, then the
+    schedule's shape."""
 
     warmup = warmup_steps(cfg.warmup_steps, cfg.warmup_ratio, total_steps)
 
     def factor(step: int) -> float:
+        return base_lr_at(cfg, step) / cfg.lr * shape_at(step)
+
+    def shape_at(step: int) -> float:
         if warmup and step < warmup:
             return (step + 1) / warmup
         if cfg.scheduler == "constant":
@@ -89,6 +99,17 @@ def build_scheduler(
     cfg: OptimSettings, optimizer: torch.optim.Optimizer, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, total_steps))
+
+
+def keep_configured_lr(optimizer: torch.optim.Optimizer, scheduler: Any, base_lrs: list[float]) -> None:
+    """After a resume: the base lrs the run is configured with (a checkpoint saves its own, and a
+    population-based sweep's trial resumes another trial's checkpoint with a perturbed lr), the
+    current lr recomputed from them at the restored step."""
+    scheduler.base_lrs = list(base_lrs)
+    for group, base, factor in zip(optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 @dataclass(frozen=True)

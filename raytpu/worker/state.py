@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from raytpu.records.checkpoints import (
     save_weights,
 )
 from raytpu.runtime.base import Runtime
+from raytpu.worker.optim import keep_configured_lr
 
 
 # ------------------------------------------------------------------ what a run saves
@@ -47,6 +48,14 @@ class Progress:
     best: float | None = None
     #: reports (eval rounds with a checkpoint) so far, counted across resumes: Tune's time unit
     reports: int = 0
+    #: ``[step, base lr]`` each time the weights went on with another base lr, from the first step,
+    #: across resumes (a population-based sweep's trial takes another's checkpoint with its own lr)
+    lr_steps: list[list[float]] = field(default_factory=list)
+
+    def went_on_with(self, lr: float) -> None:
+        """Record that training goes on from here with base lr ``lr`` (nothing when it is unchanged)."""
+        if not self.lr_steps or self.lr_steps[-1][1] != lr:
+            self.lr_steps.append([self.step, lr])
 
 
 def rng_states(runtime: Runtime) -> dict[str, Any]:
@@ -113,8 +122,9 @@ class Checkpointer:
     (:func:`save_shards`).
     """
 
-    def __init__(self, runtime: Runtime, job_name: str, config: dict[str, Any]) -> None:
-        self.runtime, self.job_name, self.config = runtime, job_name, config
+    def __init__(self, runtime: Runtime, job_name: str, config: dict[str, Any], command: str = "") -> None:
+        """``command``: the id of the command whose attempts write the checkpoints (in ``meta.json``)."""
+        self.runtime, self.job_name, self.config, self.command = runtime, job_name, config, command
 
     def save(
         self, directory: Path, state: TrainState, progress: Progress, metrics: dict[str, Any], reason: str = "scheduled"
@@ -148,6 +158,7 @@ class Checkpointer:
         meta = {**asdict(progress), "reason": reason, "metrics": metrics, "job": self.job_name, "config": self.config}
         meta["world_size"] = rt.world_size  # every rank's RNG file must be there for the checkpoint to be whole
         meta["sharded"] = rt.sharded
+        meta["command"] = self.command
         save_json(directory / META, meta)
 
     def read(self, directory: Path) -> dict[str, Any]:
@@ -165,7 +176,9 @@ class Checkpointer:
             )
         try:
             meta = json.loads((directory / META).read_text())
-            progress = Progress(meta["step"], meta["epoch"], meta.get("best"), meta.get("reports", 0))
+            progress = Progress(
+                meta["step"], meta["epoch"], meta.get("best"), meta.get("reports", 0), meta.get("lr_steps", [])
+            )
             loaded: dict[str, Any] = {"meta": meta, "progress": progress}
             loaded["shards"] = directory / SHARDED if sharded else None
             loaded["model"] = None if sharded else load_file(directory / MODEL)
@@ -182,7 +195,7 @@ class Checkpointer:
 
     def restore(self, loaded: dict[str, Any], state: TrainState) -> tuple[Progress, dict[str, Any]]:
         """Put what :meth:`read` returned into ``state``; the progress and the metrics it was saved with."""
-        saved = loaded["train_state"]
+        saved, configured = loaded["train_state"], list(state.scheduler.base_lrs)
         if loaded["shards"] is not None:
             load_shards(loaded["shards"], state)
         else:
@@ -191,6 +204,7 @@ class Checkpointer:
         if state.ema is not None and loaded["ema"] is not None:
             state.ema.load_state_dict(loaded["ema"])
         state.scheduler.load_state_dict(saved["scheduler"])
+        keep_configured_lr(state.optimizer, state.scheduler, configured)
         self.runtime.load_scaler_state(saved.get("scaler"))
         if loaded["rng"] is not None:
             set_rng_states(self.runtime, loaded["rng"])
