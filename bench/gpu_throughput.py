@@ -1,25 +1,37 @@
 """Tokens/s and MFU of a Llama-style causal LM: hand-written training loops, eager and
-``torch.compile``'d, against raytpu's Trainer with its defaults and compiled, side by side in
-one process.
+``torch.compile``'d, against raytpu's Trainer (its defaults, the model's own loss instead of the
+fused one, fp8, FSDP2), side by side in one process, each loop the median of ``--repeats`` rounds.
 
-On a GPU, the shape of issue 36: 789 M parameters (hidden 2048, 16 layers, 16 heads, 8 KV heads,
-intermediate 5632, vocabulary 8192), sequences of 2048 tokens, batch 8, AdamW, bf16 autocast.
-On the CPU a tiny shape in fp32, a few minutes. The hand-written loops are what a careful user
-writes: a DataLoader with persistent workers and pinned memory, ``model(ids, labels=ids).loss``,
-fused AdamW on a GPU, ``model.compile()`` for the compiled one. The last line is
-``ratio=<raytpu's best / hand-written compiled>``; the target on a GPU is at least 0.97, with MFU
-at least 50%. raytpu sharded (FSDP2 over the one device: the wrapper's cost alone) runs beside
-its data-parallel default, ``sharded_ratio=`` (target: at least 0.95), and each raytpu loop's peak
-memory (``torch.cuda.max_memory_allocated``) is printed beside ``raytpu.config.memory``'s estimate.
+On a GPU, the 789 M shape (hidden 2048, 16 layers, 16 heads, 8 KV heads, intermediate 5632,
+vocabulary 8192), sequences of 2048 tokens, batch 8, AdamW, bf16 autocast; ``--shape 3b`` a 2.9 B
+shape that fits one 80 GB GPU at batch 4 (Llama 3.2 3B's layers: hidden 3072, 28 layers, 24 heads,
+8 KV heads, intermediate 8192), where float8 gains more. On the CPU a tiny shape in fp32, a few
+minutes. The hand-written loops are what a careful user writes: a DataLoader with persistent
+workers and pinned memory, ``model(ids, labels=ids).loss``, fused AdamW on a GPU,
+``model.compile()`` for the compiled one.
 
-    python bench/gpu_throughput.py [--device auto|cpu|cuda] [--steps N] [--warmup N] [--repeats N]
+The ratios at the end (targets on an H100 or H200): ``ratio=`` raytpu's defaults / hand-written
+compiled (>= 0.98); ``fp8_ratio=`` raytpu fp8 / raytpu defaults (>= 1.15; GPUs with float8 only);
+``fused_loss_ratio=`` raytpu defaults / raytpu with the model's own loss (>= 1.0);
+``sharded_ratio=`` FSDP2 over the one device / data-parallel (>= 0.95). MFU is printed counting the
+full attention matrix (PaLM's count, torchtitan's) and its causal half. Each raytpu loop's peak
+memory (``torch.cuda.max_memory_allocated``) is printed beside ``raytpu.config.memory``'s estimate;
+``--batch N`` runs another batch (the fused loss's larger batch in the same memory). Everything
+printed is also written to ``bench/results/gpu_throughput-<device>-<shape>-<date>.txt``, headed
+by the device, its driver, torch and the date.
+
+    python bench/gpu_throughput.py [--device auto|cpu|cuda] [--shape 789m|3b|tiny] [--batch N]
+                                   [--steps N] [--warmup N] [--repeats N]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +48,7 @@ from bench.loop_overhead import raytpu_loop, synchronize  # noqa: E402
 from raytpu.config import load_config, with_values  # noqa: E402
 from raytpu.config.memory import estimate_run  # noqa: E402
 from raytpu.runtime.base import gpu_peak_flops, local_gpu_has_bf16  # noqa: E402
+from raytpu.runtime.float8 import has_float8  # noqa: E402
 from raytpu.runtime.kinds import compiles, resolve_precision  # noqa: E402
 
 CONFIG = "jobs/causal_lm/small.yaml"
@@ -51,7 +64,7 @@ class Shape:
 
 
 SHAPES = {
-    "cuda": Shape(
+    "789m": Shape(
         {
             "hidden_size": 2048,
             "num_hidden_layers": 16,
@@ -65,7 +78,21 @@ SHAPES = {
         batch=8,
         precision="bf16",
     ),
-    "cpu": Shape(
+    "3b": Shape(
+        {
+            "hidden_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 8,
+            "intermediate_size": 8192,
+            "max_position_embeddings": 2048,
+        },
+        seq_len=2048,
+        vocabulary=8192,
+        batch=4,
+        precision="bf16",
+    ),
+    "tiny": Shape(
         {
             "hidden_size": 128,
             "num_hidden_layers": 2,
@@ -92,7 +119,9 @@ def overrides(shape: Shape, data_dir: Path, total_steps: int) -> list[str]:
     return values + ["logging.progress_bar=false", "logging.tensorboard=false"]
 
 
-def hand_written(cfg, job, data_root: Path, warmup: int, steps: int, device: str, compiled: bool) -> float:
+def hand_written(
+    cfg, job, data_root: Path, warmup: int, steps: int, device: str, compiled: bool, precision: str
+) -> float:
     """Samples/s of the hand-written loop over the steps after ``warmup``."""
     torch.manual_seed(cfg.run.seed)
     target = torch.device(device)
@@ -111,7 +140,7 @@ def hand_written(cfg, job, data_root: Path, warmup: int, steps: int, device: str
     optim = cfg.optim
     fused = True if target.type == "cuda" else None
     optimizer = torch.optim.AdamW(model.parameters(), optim.lr, tuple(optim.betas), optim.eps, fused=fused)
-    dtype = DTYPES[SHAPES[device].precision]
+    dtype = DTYPES[precision]
     start = 0.0
     for done, batch in enumerate(loader):
         if done == warmup:
@@ -150,65 +179,140 @@ def measure(run: Callable[[], float]) -> tuple[float, float]:
     return rate, peak
 
 
+class Output:
+    """Prints, and keeps what it printed for the results file."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, line: str) -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def save(self, folder: Path, device: str, shape: str) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        kind = "-".join(device.lower().replace(",", "").split()[:3])
+        path = folder / f"gpu_throughput-{kind}-{shape}-{time.strftime('%Y-%m-%d')}.txt"
+        path.write_text("\n".join(self.lines) + "\n")
+        return path
+
+
+def driver_version() -> str:
+    """The NVIDIA driver's version (``nvidia-smi``), or "none"."""
+    try:
+        found = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        )
+    except OSError:
+        return "none"
+    return found.stdout.strip().splitlines()[0] if found.returncode == 0 and found.stdout.strip() else "none"
+
+
+def mfu_columns(rate: float, cfg, job, model_flops: float, peak: float | None) -> str:
+    """MFU with the full attention matrix counted, and with its causal half."""
+    if not peak:
+        return "n/a | n/a"
+    config, seq = job_architecture(cfg), cfg.job.seq_len
+    half_attention = 6 * config.num_hidden_layers * config.hidden_size * seq * seq  # per sample
+    return f"{rate * model_flops / peak:.1%} | {rate * (model_flops - half_attention) / peak:.1%}"
+
+
+def job_architecture(cfg):
+    from raytpu.jobs.causal_lm import architecture
+
+    return architecture(cfg.job)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="default: 789m on a GPU, tiny on the CPU")
+    parser.add_argument("--batch", type=int, default=0, help="samples a step (default: the shape's)")
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--results", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args()
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    shape_name = args.shape or ("789m" if device == "cuda" else "tiny")
+    shape = SHAPES[shape_name]
+    if args.batch:
+        shape = dataclasses.replace(shape, batch=args.batch)
     data_dir = Path(tempfile.mkdtemp(prefix="bench-data-")) / "causal_lm"
-    shape = SHAPES[device]
-    cfg, job = load_config(CONFIG, overrides(shape, data_dir, args.warmup + args.steps))
+    cfg, job = load_config(CONFIG, [*overrides(shape, data_dir, args.warmup + args.steps), f"scaling.runtime={device}"])
     job.synthesize(data_dir, **job.synth_options(cfg))
     precision, default_compile = raytpu_defaults(device)
     tokens = cfg.job.seq_len
-    model = job.build_model(cfg)
+    with torch.device("meta"):
+        model = job.build_model(cfg)
     flops_per_sample = job.flops_per_sample(cfg, model)
     parameters = sum(p.numel() for p in model.parameters())
     del model
-    peak = gpu_peak_flops(torch.cuda.get_device_name()) if device == "cuda" else None
     name = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    print(f"device={name} torch={torch.__version__} parameters={parameters / 1e6:.1f}M")
-    print(f"batch={cfg.data.global_batch_size}x{tokens} precision={shape.precision} steps={args.steps}")
-    sharded_cfg = with_values(cfg, {"sharding.strategy": "full_shard"})
-    default = f"raytpu, defaults ({precision}, {'compiled' if default_compile else 'eager'})"
-    sharded = f"raytpu, sharded (FSDP2, {'compiled' if default_compile else 'eager'})"
-    loops: dict[str, Callable[[], float]] = {
-        "hand-written, eager": lambda: hand_written(cfg, job, data_dir, args.warmup, args.steps, device, False),
-        "hand-written, torch.compile": lambda: hand_written(cfg, job, data_dir, args.warmup, args.steps, device, True),
-        default: lambda: raytpu_loop(cfg, job, data_dir, args.warmup, args.steps, device, precision, default_compile),
-        sharded: lambda: raytpu_loop(
-            sharded_cfg, job, data_dir, args.warmup, args.steps, device, precision, default_compile
-        ),
+    peak = gpu_peak_flops(name) if device == "cuda" else None
+    out = Output()
+    out(f"device={name} driver={driver_version()} torch={torch.__version__} date={time.strftime('%Y-%m-%d %H:%M')}")
+    out(f"shape={shape_name} parameters={parameters / 1e6:.1f}M batch={shape.batch}x{tokens}")
+    out(f"precision={shape.precision} steps={args.steps} warmup={args.warmup} repeats={args.repeats}")
+    compiled = "compiled" if default_compile else "eager"
+    own_loss = with_values(cfg, {"job.fused_loss": False})  # what a hand-written loop takes: the model's loss
+    default = f"raytpu, defaults ({precision}, {compiled}, fused loss)"
+    variants = {
+        default: cfg,
+        f"raytpu, the model's own loss ({precision}, {compiled})": own_loss,
+        f"raytpu, sharded (FSDP2, {compiled})": with_values(cfg, {"sharding.strategy": "full_shard"}),
     }
+    float8 = device == "cuda" and has_float8(torch.cuda.get_device_capability())
+    fp8 = f"raytpu, fp8 (tensorwise, {compiled})"
+
+    def hand(compiled: bool) -> Callable[[], float]:
+        return lambda: hand_written(own_loss, job, data_dir, args.warmup, args.steps, device, compiled, shape.precision)
+
+    def ours(run_cfg, run_precision: str, mode: str) -> Callable[[], float]:
+        return lambda: raytpu_loop(run_cfg, job, data_dir, args.warmup, args.steps, device, run_precision, mode)
+
+    loops: dict[str, Callable[[], float]] = {
+        "hand-written, eager": hand(False),
+        "hand-written, torch.compile": hand(True),
+        **{label: ours(run_cfg, precision, default_compile) for label, run_cfg in variants.items()},
+    }
+    if float8:
+        loops[fp8] = ours(cfg, "fp8", default_compile)
     if not default_compile:
-        loops["raytpu, loop.compile=true"] = lambda: raytpu_loop(
-            cfg, job, data_dir, args.warmup, args.steps, device, precision, "default"
-        )
-    best, peaks = dict.fromkeys(loops, 0.0), dict.fromkeys(loops, 0)
+        loops["raytpu, loop.compile=true"] = ours(cfg, precision, "default")
+    rates: dict[str, list[float]] = {label: [] for label in loops}
+    peaks = dict.fromkeys(loops, 0)
     for repeat in range(args.repeats):
         for label, run in loops.items():
             try:
                 rate, peaks[label] = measure(run)
             except Exception as exc:  # one loop that breaks (out of memory, a compile error) leaves the others' figures
-                print(f"repeat {repeat}: {label}: failed: {type(exc).__name__}: {exc}", flush=True)
+                out(f"repeat {repeat}: {label}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                 continue
-            best[label] = max(best[label], rate)
-            print(f"repeat {repeat}: {label}: {best[label] * tokens:,.0f} tokens/s (best so far)", flush=True)
-    print("| loop | tokens/s | MFU |")
-    print("|---|---|---|")
-    for label, rate in best.items():
-        mfu = f"{rate * flops_per_sample / peak:.1%}" if peak and flops_per_sample else "n/a (no peak for this device)"
-        print(f"| {label} | {rate * tokens:,.0f} | {mfu} |")
-    for label, run_cfg in ((default, cfg), (sharded, sharded_cfg)):
-        estimated = estimate_run(run_cfg, job, precision).total
+            rates[label].append(rate)
+            out(f"repeat {repeat}: {label}: {rate * tokens:,.0f} tokens/s")
+    median = {label: statistics.median(found) if found else 0.0 for label, found in rates.items()}
+    out("| loop | tokens/s (median) | min - max | MFU, full attention | MFU, causal half |")
+    out("|---|---|---|---|---|")
+    for label, rate in median.items():
+        spread = f"{min(rates[label]) * tokens:,.0f} - {max(rates[label]) * tokens:,.0f}" if rates[label] else "failed"
+        out(f"| {label} | {rate * tokens:,.0f} | {spread} | {mfu_columns(rate, cfg, job, flops_per_sample, peak)} |")
+    estimated_precisions = {**dict.fromkeys(variants, precision), fp8: "fp8"}
+    for label, run_cfg in [*variants.items(), *([(fp8, cfg)] if float8 else [])]:
+        estimated = estimate_run(run_cfg, job, estimated_precisions[label]).total
         measured = f"{peaks[label] / 1e9:.2f} GB measured" if peaks[label] else "no GPU to measure"
-        print(f"memory {label}: {estimated / 1e9:.2f} GB estimated, {measured}")
-    print(f"sharded_ratio={best[sharded] / max(best[default], 1e-9):.3f}")
-    ours = max(rate for label, rate in best.items() if label.startswith("raytpu"))
-    print(f"ratio={ours / max(best['hand-written, torch.compile'], 1e-9):.3f}")
+        out(f"memory {label}: {estimated / 1e9:.2f} GB estimated, {measured}")
+
+    def ratio(name: str, top: str, bottom: str) -> None:
+        out(f"{name}={median[top] / median[bottom]:.3f}" if median[top] and median[bottom] else f"{name}=n/a")
+
+    labels = list(variants)
+    ratio("sharded_ratio", labels[2], default)
+    ratio("fused_loss_ratio", default, labels[1])
+    if float8:
+        ratio("fp8_ratio", fp8, default)
+    ratio("ratio", default, "hand-written, torch.compile")
+    print(f"results: {out.save(Path(args.results), name, shape_name)}")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ def final_weights(results: Path) -> dict[str, torch.Tensor]:
     ("argv", "message"),
     [
         (["launch", "nowhere.py"], "script 'nowhere.py' not found"),
-        (["launch", "--mixed_precision", "fp8", EXAMPLE], "--mixed_precision 'fp8' is not one of no, fp16, bf16, auto"),
+        (["launch", "--mixed_precision", "fp4", EXAMPLE], "--mixed_precision 'fp4' is not one of no, fp16, bf16, fp8"),
+        (["launch", "--mixed_precision", "fp8", EXAMPLE], "--mixed_precision fp8 needs NVIDIA GPUs with float8"),
         (["launch", "--num_processes", "0", EXAMPLE], "--num_processes must be at least 1"),
         (["launch", "--runtime", "tpu", EXAMPLE], "--runtime 'tpu' is not one of auto, cpu, cuda, xla"),
         (["launch", "--num_processes", "two", EXAMPLE], "argument --num_processes/--num-processes: invalid int"),
@@ -101,7 +102,8 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     keep Accelerate off XLA (the driver's own USE_TORCH_XLA=0 is overridden). Without the flag the
     script's own Accelerator decides, as under ``accelerate launch``."""
     from raytpu.config.plan import ACCELERATE_NAMES, ScriptPlan
-    from raytpu.driver.launch import PRECISIONS, settings_from
+    from raytpu.config.training_args import ACCELERATE_PRECISIONS
+    from raytpu.driver.launch import settings_from
     from raytpu.runtime.kinds import kind_of, resolve_precision
     from raytpu.runtime.tpu import chip_process_env, slice_spec
     from raytpu.worker.script import process_environment
@@ -110,7 +112,7 @@ def test_each_launched_process_drives_one_chip_of_the_slice(accelerator_type, to
     argv += ["--mixed_precision", "auto"]
     settings = settings_from(cli.build_parser().parse_args([*argv, "--num_processes", "8", EXAMPLE]))
     spec = slice_spec(accelerator_type, topology)
-    precision, _ = resolve_precision("xla", PRECISIONS[settings.mixed_precision])
+    precision, _ = resolve_precision("xla", ACCELERATE_PRECISIONS[settings.mixed_precision])
     script = ScriptPlan(path=EXAMPLE, state="s", mixed_precision=ACCELERATE_NAMES[precision])
     launched = process_environment(script, kind_of("xla"))
     envs = [{**chip_process_env(rank, placements, spec), **launched} for rank in range(8)]

@@ -17,6 +17,7 @@ from raytpu.config import load_config, with_values
 from raytpu.config.memory import GB, ModelSize, check_memory, estimate, estimate_run
 from raytpu.errors import ConfigError
 from raytpu.jobs.causal_lm import corpus
+from raytpu.jobs.causal_lm.fused_loss import chunk_length
 from raytpu.records import checkpoints as ckpt
 from raytpu.runtime.base import device_memory_gb, memory_of
 from raytpu.runtime.torch_fsdp import checkpoint_in_place
@@ -48,7 +49,8 @@ def test_the_estimate_of_the_8b_gpu_config_is_bytes_per_parameter_over_the_shard
 
 def test_activations_follow_the_batch_and_shrink_with_checkpointing():
     cfg, job = load_config(GPU_8B)
-    base = with_values(cfg, {"data.global_batch_size": 8, "data.per_device_train_batch_size": 0})
+    plain_loss = {"job.fused_loss": False}  # the fused loss keeps a weight gradient whatever the batch
+    base = with_values(cfg, {"data.global_batch_size": 8, "data.per_device_train_batch_size": 0, **plain_loss})
     one = estimate_run(base, job).activations
     two = estimate_run(with_values(base, {"data.global_batch_size": 16}), job).activations
     assert two == pytest.approx(2 * one)
@@ -78,19 +80,22 @@ def saved_for_backward(model: nn.Module, ids: torch.Tensor, dtype: torch.dtype) 
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("hidden, inner, layers, batch, seq", [(128, 384, 4, 8, 128), (256, 512, 2, 4, 256)])
-def test_the_eager_activations_are_what_autograd_saves(precision, hidden, inner, layers, batch, seq):
+def test_the_eager_activations_are_what_autograd_saves(precision, fused, hidden, inner, layers, batch, seq):
     """The causal LM's activation term against what autograd saves on the CPU (eager, Llama
-    shapes), plus the logits' gradients that exist beside it at the backward's start: within 15%."""
+    shapes), plus the logits' gradients that exist beside it at the backward's start (fused: one
+    chunk's, beside the gradients the fused loss keeps): within 15%."""
     model_keys = {"hidden_size": hidden, "intermediate_size": inner, "num_hidden_layers": layers}
     words = [f"job.model_config.{key}={value}" for key, value in model_keys.items()]
-    cfg, job = load_config(SMALL, [*words, f"job.seq_len={seq}", "job.vocab_size=2048"])
+    cfg, job = load_config(SMALL, [*words, f"job.seq_len={seq}", "job.vocab_size=2048", f"job.fused_loss={fused}"])
     torch.manual_seed(0)
     model = job.build_model(cfg)
     width = 2 if precision == "bf16" else 4
     ids = torch.randint(0, 2048, (batch, seq))
     saved = saved_for_backward(model, ids, torch.bfloat16 if precision == "bf16" else torch.float32)
-    measured = saved + batch * seq * 2048 * (4 + width)  # the log-probabilities' gradient, fp32 and compute dtype
+    logits = chunk_length(batch * seq, 2048, hidden) if fused else batch * seq
+    measured = saved + logits * 2048 * (4 + width)  # the log-probabilities' gradient, fp32 and compute dtype
     estimated = job.activation_bytes(cfg, batch, width, checkpointed=False)
     assert estimated == pytest.approx(measured, rel=0.15)
 
@@ -103,6 +108,7 @@ def test_the_estimate_is_within_15_percent_of_the_h100_peaks():
              "intermediate_size": 5632, "max_position_embeddings": 2048}  # fmt: skip
     words = [f"job.model_config.{key}={value}" for key, value in shape.items()]
     words += ["job.seq_len=2048", "job.vocab_size=8192", "data.global_batch_size=8", "scaling.num_workers=1"]
+    words += ["job.fused_loss=false"]  # measured with the model's own loss
     cfg, job = load_config(SMALL, [*words, "scaling.runtime=cuda", "scaling.precision=bf16", "loop.compile=true"])
     for strategy, peak in (("none", 30.36), ("full_shard", 27.74)):
         found = estimate_run(with_values(cfg, {"sharding.strategy": strategy}), job)

@@ -31,6 +31,7 @@ from raytpu.config import Config
 from raytpu.config.args import Flag, parse_value
 from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
 from raytpu.jobs.causal_lm import corpus
+from raytpu.jobs.causal_lm.fused_loss import PLAIN_HEADS, chunk_length, fuse_loss
 from raytpu.worker.flops import matmul_parameters, transformer_flops_per_token
 
 
@@ -42,6 +43,7 @@ class CausalLMConfig(JobConfig):
     model_name_or_path: str = ""  # a save_pretrained folder (config and weights) instead: fine-tuning
     attn_implementation: str = "causal"  # causal (SDPA, no mask: see causal_attention) | sdpa | eager
     gradient_checkpointing: bool = False
+    fused_loss: bool = True  # the loss without the full logits where exact (fused_loss.py); --use_liger_kernel
     seq_len: int = 128  # tokens per packed block
     vocab_size: int = 4096  # entries of the tokenizer trained by `raytpu data synth causal_lm`
     corpus: str = ""  # "" = the pinned standard-library files; else a folder of .py/.txt/.md files
@@ -167,6 +169,7 @@ class CausalLMJob(Job):
         "--block_size": "job.seq_len",  # Transformers' run_clm.py
         "--model_type": "job.model_type",
         "--config_overrides": Flag(convert=config_overrides, text=True),  # run_clm.py's
+        "--use_liger_kernel": Flag(key="job.fused_loss", switch=True),  # TrainingArguments': the same fused loss
     }
     requires = ("transformers", "tokenizers")
     stats_files = (*corpus.TOKENIZER_FILES, corpus.CORPUS_FILE)
@@ -198,6 +201,8 @@ class CausalLMJob(Job):
             model = AutoModelForCausalLM.from_config(architecture(job), attn_implementation=attention)
         if job.gradient_checkpointing:
             model.activation_checkpointing_enable({"use_reentrant": False})
+        if job.fused_loss:
+            fuse_loss(model)
         return model
 
     def build_dataset(self, cfg: Config, split: str, data_root: Path) -> Dataset:
@@ -225,9 +230,11 @@ class CausalLMJob(Job):
     ) -> float:
         """What a step holds for its backward at its peak, the backward's start: every decoder
         layer's saved values, the loss's fp32 log-probabilities and, beside them, their gradient in
-        fp32 and in the compute dtype. Per token and layer, eager: the bytes per hidden and per
-        intermediate unit autograd saves (:data:`EAGER_LAYER_BYTES`, measured on the CPU with its
-        saved-tensor hooks: ``tests/test_causal_lm.py``); compiled, torch.compile's partitioner
+        fp32 and in the compute dtype (fused: one chunk's logits and their gradient, and the
+        gradients of the hidden states and of the output layer in fp32). Per token and layer,
+        eager: the bytes per hidden and per intermediate unit autograd saves
+        (:data:`EAGER_LAYER_BYTES`, measured on the CPU with its saved-tensor hooks:
+        ``tests/test_sharding.py``); compiled, torch.compile's partitioner
         recomputes the pointwise ops (the norms' fp32 upcasts, the activation): the residual stream
         at both norms, q, k and v (k and v of the key-value heads), the attention output, gate, up
         and their product, each in the compute dtype. Checkpointed, a layer keeps its input, and
@@ -244,7 +251,12 @@ class CausalLMJob(Job):
             per_layer = tokens * (per_hidden * hidden + per_inner * inner)
         kept = tokens * value_bytes * hidden * layers + per_layer if checkpointed else per_layer * layers
         vocabulary = cfg.job.vocab_size if not cfg.job.model_name_or_path else config.vocab_size
-        return float(kept + tokens * vocabulary * (4 + 4 + value_bytes))
+        if cfg.job.fused_loss and config.model_type in PLAIN_HEADS:
+            chunk = chunk_length(tokens, vocabulary, hidden)
+            loss = chunk * vocabulary * (4 + value_bytes) + tokens * hidden * 4 + vocabulary * hidden * 4
+        else:
+            loss = tokens * vocabulary * (4 + 4 + value_bytes)
+        return float(kept + loss)
 
     def synthesize(self, out: Path, vocab_size: int = 4096, corpus_dir: str = "", tokenizer: str = "") -> None:
         """``raytpu data synth causal_lm --out DIR [--vocab-size N] [--corpus-dir DIR] [--tokenizer DIR]``."""

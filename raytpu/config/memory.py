@@ -35,7 +35,7 @@ from raytpu.config.loading import with_values
 from raytpu.config.schema import Config
 from raytpu.errors import ConfigError
 from raytpu.job import EstimatesActivations, Job
-from raytpu.runtime.kinds import compiles, kind_of, registered
+from raytpu.runtime.kinds import LOW_PRECISIONS, compiles, kind_of, registered
 from raytpu.runtime.torch_fsdp import units_of, wrapping_units
 
 GB = 1e9
@@ -105,7 +105,7 @@ def estimate(
     activations: float | None,
 ) -> MemoryEstimate:
     """One device's bytes for a step (the module docstring gives the arithmetic)."""
-    compute = 2 if precision in ("bf16", "fp16") else 4
+    compute = 2 if precision in LOW_PRECISIONS else 4
     shards = workers if sharded else 1
     params = size.parameters
     weights = 4 * params / shards
@@ -142,7 +142,7 @@ def estimate_run(cfg: Config, job: Job, precision: str | None = None) -> MemoryE
         model = job.build_model(cfg)
     units = units_of(model, wrapping_units(model, list(cfg.sharding.layers)))
     sharded = cfg.sharding.strategy != "none"
-    value_bytes = 2 if precision in ("bf16", "fp16") else 4
+    value_bytes = 2 if precision in LOW_PRECISIONS else 4
     activations = None
     if isinstance(job, EstimatesActivations):
         batch = BatchPlan.of(cfg).per_worker

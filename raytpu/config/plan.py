@@ -28,7 +28,7 @@ from raytpu.runtime.placement import ClusterOffer, NodeType, Placement, place
 from raytpu.storage.filesystems import is_remote, join
 
 #: Accelerate's ``mixed_precision`` names of raytpu's precisions (``raytpu launch``)
-ACCELERATE_NAMES = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
+ACCELERATE_NAMES = {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class ScriptPlan:
     path: str
     args: tuple[str, ...] = ()
     working_dir: str = ""
-    mixed_precision: str = ""  # Accelerate's name: no | fp16 | bf16 (asked: the plan's); "": the script's own
+    mixed_precision: str = ""  # Accelerate's name: no | fp16 | bf16 | fp8 (asked: the plan's); "": the script's own
     gradient_accumulation_steps: int = 1
     state: str = ""  # the name of the run's launch-state actor
     last_checkpoint: int = 0  # the highest checkpoint number the run folder held before this launch

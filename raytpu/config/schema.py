@@ -35,7 +35,8 @@ class ScalingSettings:
     runtime: str = "auto"  # auto | cpu | cuda | xla
     num_workers: int = 1  # workers; MIN:MAX (or [MIN, MAX]) for an elastic run, whose largest size this keeps
     min_workers: int = 0  # the smallest size of an elastic run (set by num_workers: MIN:MAX; 0: a fixed size)
-    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16 | fp8 (float8 linear layers: GPUs of compute capability 8.9+)
+    fp8_recipe: str = "tensorwise"  # fp8's scaling: tensorwise (faster) | rowwise (more accurate)
     tf32: bool = True  # cuda: TF32 tensor cores for the matmuls and convolutions left in fp32
     device_memory_gb: float = 0.0  # each device's memory for the estimate (0: the device's own, or its kind's)
     check_memory: bool = True  # refuse a run estimated above 90% of each device's memory (false: start it anyway)

@@ -29,6 +29,8 @@ OPTIMIZERS = {
     "sgd": "sgd",
     "adagrad": "adagrad",
 }
+#: ``--mixed_precision`` (Accelerate's names, as ``accelerate launch`` takes them) -> scaling.precision
+ACCELERATE_PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8", "auto": "auto"}
 SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
 
 
@@ -205,6 +207,7 @@ TRAINING_ARGUMENTS: dict[str, Alias] = {
     "--save_total_limit": "checkpoint.num_to_keep",
     "--bf16": Flag(switch=True, convert=precision("bf16")),
     "--fp16": Flag(switch=True, convert=precision("fp16")),
+    "--mixed_precision": Flag(convert=choice("--mixed_precision", ACCELERATE_PRECISIONS, "scaling.precision")),
     "--gradient_checkpointing": Flag(key="job.gradient_checkpointing", switch=True),
     "--tf32": Flag(key="scaling.tf32", switch=True),
     "--torch_compile": Flag(switch=True, convert=lambda on: [("loop.compile", "true" if on else "false")]),

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 from raytpu.config.batching import BatchPlan, elastic_plans
 from raytpu.errors import ConfigError
 from raytpu.hooks import callback_class
-from raytpu.runtime.kinds import kind_of
+from raytpu.runtime.float8 import RECIPES
+from raytpu.runtime.kinds import PRECISIONS, kind_of
 
 if TYPE_CHECKING:  # raytpu.config (loading) imports this module
     from raytpu.config import Config
@@ -19,7 +20,8 @@ TRACKERS = ("tensorboard", "mlflow", "wandb")
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "run.mode": ("train", "test"),
-    "scaling.precision": ("auto", "fp32", "bf16", "fp16"),
+    "scaling.precision": PRECISIONS,
+    "scaling.fp8_recipe": RECIPES,
     "sharding.strategy": ("none", "full_shard"),
     "logging.wandb_mode": ("", "online", "offline", "disabled"),
     "scaling.tpu.layout": ("spmd", "multiprocess"),

@@ -24,6 +24,7 @@ from typing import Any
 from raytpu.config import CheckpointSettings, Config, RunSettings, ScalingSettings, build_dataclass, with_values
 from raytpu.config.loading import expand_file_ranges, profile_window
 from raytpu.config.plan import Plan, ScriptPlan
+from raytpu.config.training_args import ACCELERATE_PRECISIONS
 from raytpu.config.validation import check_number, check_profile
 from raytpu.errors import ConfigError, RunFailed
 from raytpu.records import goodput
@@ -32,8 +33,6 @@ from raytpu.runtime.kinds import kind_of
 from raytpu.storage.filesystems import join
 from raytpu.storage.run_folder import RunFolder
 
-#: ``--mixed_precision`` (Accelerate's names) -> raytpu's precision policy (and back: ``ACCELERATE_NAMES``)
-PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "auto": "auto"}
 #: what scripts and tests import from here: ``report`` and the names of the launch environment
 LAUNCH_TEXT = "run an existing Accelerate / torch.distributed script, unchanged, on Ray Train workers"
 
@@ -42,7 +41,7 @@ def add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     """``raytpu launch``'s options (also read by ``raytpu submit launch``)."""
     launch.add_argument("--num_processes", "--num-processes", type=int, help="processes (Ray workers), default 1")
     launch.add_argument(
-        "--mixed_precision", "--mixed-precision", help="no | fp16 | bf16 | auto (default: the script's own choice)"
+        "--mixed_precision", "--mixed-precision", help="no | fp16 | bf16 | fp8 | auto (default: the script's own)"
     )
     launch.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", type=int)
     launch.add_argument("--runtime", help="cpu | cuda | xla | auto (default: auto, from the cluster)")
@@ -70,7 +69,7 @@ class LaunchSettings:
     script: str
     script_args: tuple[str, ...] = ()
     config: Config = field(default_factory=Config)
-    mixed_precision: str = ""  # no | fp16 | bf16 | auto; "": the script's own (Accelerator's argument, else no)
+    mixed_precision: str = ""  # no | fp16 | bf16 | fp8 | auto; "": the script's own (Accelerator's argument, else no)
     gradient_accumulation_steps: int = 1
 
     @property
@@ -110,7 +109,7 @@ def settings_from(args: Any) -> LaunchSettings:
         values.update(profile_window(args.profile))
     values["logging.verbose"] = bool(args.verbose)
     if args.mixed_precision:
-        values["scaling.precision"] = PRECISIONS.get(args.mixed_precision, args.mixed_precision)
+        values["scaling.precision"] = ACCELERATE_PRECISIONS.get(args.mixed_precision, args.mixed_precision)
     if not (values.get("run.name") or cfg.run.name):
         values["run.name"] = Path(args.script).stem
     settings = LaunchSettings(
@@ -142,8 +141,9 @@ def check(settings: LaunchSettings) -> None:
     script = Path(settings.script)
     if not script.is_file():
         raise ConfigError(f"script {settings.script!r} not found; give the path of the training script to run")
-    if settings.mixed_precision and settings.mixed_precision not in PRECISIONS:
-        raise ConfigError(f"--mixed_precision {settings.mixed_precision!r} is not one of {', '.join(PRECISIONS)}")
+    if settings.mixed_precision and settings.mixed_precision not in ACCELERATE_PRECISIONS:
+        choices = ", ".join(ACCELERATE_PRECISIONS)
+        raise ConfigError(f"--mixed_precision {settings.mixed_precision!r} is not one of {choices}")
     if settings.scaling.runtime != "auto":
         try:
             kind_of(settings.scaling.runtime)
@@ -210,6 +210,8 @@ OPTION_OF = {
     "scaling.num_workers=": "--num_processes ",
     "scaling.runtime=": "--runtime ",
     "scaling.cpus_per_worker=": "--cpus-per-worker ",
+    "scaling.precision=fp8": "--mixed_precision fp8",
+    "scaling.precision=bf16": "--mixed_precision bf16",
 }
 
 

@@ -40,16 +40,19 @@ def make_runtime(
     compile_mode: str = "",
     tf32: bool = True,
     sharding: Any = None,
+    fp8_recipe: str = "tensorwise",
 ) -> Runtime:
     """Build the plan's runtime on this worker. What only the device can tell is decided here, once:
     a GPU without bf16 runs ``bf16`` as fp16 with a gradient scaler (said through ``warn``; the
     worker records what ran). ``compile_cache``: XLA's persistent cache folder ("" or "none": none);
     ``compile_mode``: torch.compile's mode on the native stack ("": eager); ``tf32``: on cuda;
-    ``sharding``: the ``sharding`` settings (FSDP2 on the native stack when its strategy shards)."""
+    ``sharding``: the ``sharding`` settings (FSDP2 on the native stack when its strategy shards);
+    ``fp8_recipe``: fp8's scaling (``scaling.fp8_recipe``)."""
     kind = kind_of(runtime)
     kind.check_worker()
     resolved, message = kind.precision(precision, kind.local_bf16())
     if message:
         warn(message)
     options = {"xla": xla_options, "compile_cache": compile_cache, "compile_mode": compile_mode, "tf32": tf32}
+    options["fp8_recipe"] = fp8_recipe
     return kind.make(resolved, world_size, rank, local_rank, {**options, "sharding": sharding})

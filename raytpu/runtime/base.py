@@ -214,7 +214,7 @@ class Runtime:
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "fp32":
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        dtype = torch.float16 if self.precision == "fp16" else torch.bfloat16  # fp8: its other layers in bf16
         return torch.autocast(self.device.type, dtype=dtype)
 
     def compiled_step(self) -> contextlib.AbstractContextManager:

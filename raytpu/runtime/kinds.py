@@ -24,7 +24,10 @@ if TYPE_CHECKING:
     from raytpu.runtime.placement import ClusterOffer
 
 #: precisions a config may ask for (``scaling.precision``)
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")
+#: the precisions that compute in 16-bit values (fp8 as bf16: its float8 layers' 1-byte copies are
+#: the smaller part of what a step holds)
+LOW_PRECISIONS = ("bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class RuntimeKind:
     # ------------------------------------------------------- precision
     def precision(self, requested: str, bf16_supported: bool = True) -> tuple[str, str | None]:
         """``(precision, warning)``: what a run asking ``requested`` computes in."""
+        if requested == "fp8":
+            raise no_float8(self.name)
         if requested in ("auto", "fp16"):
             return "fp32", (
                 f"precision fp16 needs a GPU; using fp32 on the {self.name} runtime" if requested == "fp16" else None
@@ -174,6 +179,14 @@ class RuntimeKind:
     def accelerate_fp16_as_bf16(self) -> bool:
         """Whether a launched script's Accelerate fp16 runs as bf16 here (XLA has no fp16 autocast)."""
         return False
+
+
+def no_float8(runtime: str) -> ConfigError:
+    """The refusal of ``scaling.precision: fp8`` on a runtime whose devices have no float8."""
+    return ConfigError(
+        f"scaling.precision=fp8 needs NVIDIA GPUs with float8 (compute capability 8.9+: L4, L40S, H100, H200, "
+        f"B200) and this run is on the {runtime} runtime: use scaling.precision=bf16"
+    )
 
 
 #: the modules that describe the built-in runtimes (each a ``RUNTIMES`` tuple), loaded as any

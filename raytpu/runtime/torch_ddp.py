@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raytpu.runtime.base import Runtime, batchnorm_scope, clip_or_measure, gpu_peak_flops
 from raytpu.runtime.compiled import CompileWatch, compile_regions, compile_whole
+from raytpu.runtime.float8 import check_float8, convert_to_float8
 from raytpu.runtime.tpu import tpu_peak_flops
 
 
@@ -28,12 +29,15 @@ class DDPRuntime(Runtime):
         compile_mode: str = "",
         tf32: bool = True,
         device_type: str = "",
+        fp8_recipe: str = "tensorwise",
     ) -> None:
         """``compile_mode``: torch.compile's mode, or "" for eager; ``tf32``: TF32 tensor cores for
         what stays fp32 on a GPU (matmuls and convolutions outside autocast); ``device_type``: cpu,
-        cuda or tpu ("": the runtime's name says, cuda or cpu)."""
+        cuda or tpu ("": the runtime's name says, cuda or cpu); ``fp8_recipe``: the float8 layers'
+        scaling when ``precision`` is fp8 (``raytpu.runtime.float8``)."""
         super().__init__(precision, world_size, rank, local_rank)
-        self.name, self.compile_mode = name, compile_mode
+        self.name, self.compile_mode, self.fp8_recipe = name, compile_mode, fp8_recipe
+        self.float8_layers: list[str] = []
         self.watch = CompileWatch() if compile_mode else None
         self.compiled = ""  # how the model was compiled: regional | whole
         os.environ["USE_TORCH_XLA"] = "0"  # Transformers would otherwise import torch_xla when it is installed
@@ -43,6 +47,8 @@ class DDPRuntime(Runtime):
             torch.cuda.set_device(self.device)
             torch.set_float32_matmul_precision("high" if tf32 else "highest")
             torch.backends.cudnn.allow_tf32 = tf32
+            if precision == "fp8":
+                check_float8(self.device)
         elif device_type != "cpu":  # one chip a worker: the one Ray made visible to this process
             self.device = torch.device(device_type, 0)
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" and device_type == "cuda" else None
@@ -51,6 +57,7 @@ class DDPRuntime(Runtime):
         self, model: nn.Module, find_unused_parameters: bool = False, sync_batchnorm: str = "auto"
     ) -> nn.Module:
         model = model.to(self.device)
+        self.use_float8(model)
         if batchnorm_scope(self.name, sync_batchnorm, False, self.world_size) == "global" and self.world_size > 1:
             if self.device.type == "cuda":
                 model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -63,6 +70,11 @@ class DDPRuntime(Runtime):
         if self.compile_mode and not self.compiled:
             model, self.compiled = compile_whole(model, self.compile_mode), "whole"
         return model
+
+    def use_float8(self, model: nn.Module, gather_in_float8: bool = False) -> None:
+        """fp8: the model's linear layers to float8 (before it is compiled, wrapped or sharded)."""
+        if self.precision == "fp8":
+            self.float8_layers = convert_to_float8(model, self.fp8_recipe, gather_in_float8)
 
     def _wrap(self, module: nn.Module, unused: bool) -> DistributedDataParallel:
         device_ids = [self.device.index] if self.device.type == "cuda" else None

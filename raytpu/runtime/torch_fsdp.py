@@ -40,6 +40,7 @@ from raytpu.console import muted_stdout
 from raytpu.errors import ConfigError
 from raytpu.runtime.base import Runtime
 from raytpu.runtime.compiled import compile_regions, compile_whole
+from raytpu.runtime.float8 import refresh_float8_scales
 from raytpu.runtime.torch_ddp import DDPRuntime
 
 
@@ -49,9 +50,10 @@ def native_runtime(
     """The native PyTorch stack on ``device_type`` (cpu, cuda, TorchTPU's tpu): DDP, or FSDP2 when
     the plan shards; ``options`` as :meth:`raytpu.runtime.kinds.RuntimeKind.make` gets them."""
     sharding, compile_mode, tf32 = options.get("sharding"), options.get("compile_mode", ""), options.get("tf32", True)
+    recipe = options.get("fp8_recipe", "tensorwise")
     if sharding is not None and sharding.strategy != "none":
-        return FSDPRuntime(name, precision, world, rank, local_rank, compile_mode, tf32, sharding, device_type)
-    return DDPRuntime(name, precision, world, rank, local_rank, compile_mode, tf32, device_type)
+        return FSDPRuntime(name, precision, world, rank, local_rank, compile_mode, tf32, sharding, device_type, recipe)
+    return DDPRuntime(name, precision, world, rank, local_rank, compile_mode, tf32, device_type, recipe)
 
 
 def fsdp2_settings(cfg: Any, precision: str) -> dict[str, Any]:
@@ -85,12 +87,14 @@ class FSDPRuntime(DDPRuntime):
         tf32: bool = True,
         sharding: Any = None,
         device_type: str = "",
+        fp8_recipe: str = "tensorwise",
     ) -> None:
-        super().__init__(name, precision, world_size, rank, local_rank, compile_mode, tf32, device_type)
+        super().__init__(name, precision, world_size, rank, local_rank, compile_mode, tf32, device_type, fp8_recipe)
         self.layers = list(sharding.layers) if sharding else []
         self.activation_checkpointing = bool(sharding and sharding.activation_checkpointing)
         self.scaler = None  # the plan allows bf16 and fp32 only: no loss scaling
         self.units = 0
+        self.float8_model: nn.Module | None = None  # fp8 whose weights are gathered in float8: scales to refresh
 
     def prepare_model(
         self, model: nn.Module, find_unused_parameters: bool = False, sync_batchnorm: str = "auto"
@@ -98,6 +102,9 @@ class FSDPRuntime(DDPRuntime):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = self._mesh()
+        gather = self.fp8_recipe == "tensorwise" and self.device.type == "cuda"  # NCCL gathers float8; gloo cannot
+        self.use_float8(model, gather_in_float8=gather)
+        self.float8_model = model if gather and self.float8_layers else None
         units = units_of(model, wrapping_units(model, self.layers))
         if self.activation_checkpointing:
             if not units:
@@ -107,7 +114,7 @@ class FSDPRuntime(DDPRuntime):
         if self.compile_mode and compile_regions(model, self.compile_mode):
             self.compiled = "regional"
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        options = {"mesh": mesh, "mp_policy": policy} if self.precision == "bf16" else {"mesh": mesh}
+        options = {"mesh": mesh, "mp_policy": policy} if self.precision in ("bf16", "fp8") else {"mesh": mesh}
         for unit in units:  # one unit whole on the device at a time, never the whole model
             unit.to(self.device)
             self._same_start([*unit.parameters(), *unit.buffers()])
@@ -159,6 +166,8 @@ class FSDPRuntime(DDPRuntime):
     ) -> torch.Tensor | None:
         norm = sharded_clip_or_measure(params, max_norm, measure)
         optimizer.step()
+        if self.float8_model is not None:
+            refresh_float8_scales(self.float8_model)
         return norm
 
     def even_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:

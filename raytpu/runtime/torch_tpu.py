@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from raytpu.errors import ConfigError
 from raytpu.runtime.builtin import offered, tpu_scaling
-from raytpu.runtime.kinds import Machine, RuntimeKind
+from raytpu.runtime.kinds import Machine, RuntimeKind, no_float8
 from raytpu.runtime.tpu import tpu_peak_flops
 
 if TYPE_CHECKING:
@@ -55,6 +55,8 @@ class TorchTPU(RuntimeKind):
         return machine.tpu_chips > 0 and "torch_tpu" in machine.installed and "torch_xla" not in machine.installed
 
     def precision(self, requested: str, bf16_supported: bool = True) -> tuple[str, str | None]:
+        if requested == "fp8":
+            raise no_float8(self.name)
         if requested == "auto":
             return "bf16", None
         if requested == "fp16":

@@ -72,6 +72,7 @@ def work(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | 
         compile_mode=compile_mode,
         tf32=scaling.tf32,
         sharding=cfg.sharding,
+        fp8_recipe=scaling.fp8_recipe,
     )
     folder = RunFolder(plan.run_dir)
     if runtime.is_main:

@@ -202,6 +202,8 @@ def process_environment(script: ScriptPlan, kind: RuntimeKind) -> dict[str, str]
     }
     if script.mixed_precision:  # else the script's Accelerator(mixed_precision=...) decides, as under accelerate launch
         env["ACCELERATE_MIXED_PRECISION"] = script.mixed_precision
+        if script.mixed_precision == "fp8":
+            env["ACCELERATE_FP8_BACKEND"] = "AO"  # torchao's float8 layers, as scaling.precision=fp8 trains
     return {**env, **kind.accelerate_env()}  # the driver's own USE_TORCH_XLA=0 must not reach an XLA worker
 
 
