@@ -47,8 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.loop_overhead import raytpu_loop, synchronize  # noqa: E402
 from raytpu.config import load_config, with_values  # noqa: E402
 from raytpu.config.memory import estimate_run  # noqa: E402
-from raytpu.runtime.base import gpu_peak_flops, local_gpu_has_bf16  # noqa: E402
-from raytpu.runtime.float8 import has_float8  # noqa: E402
+from raytpu.runtime.base import gpu_peak_flops, has_float8, local_gpu_has_bf16  # noqa: E402
 from raytpu.runtime.kinds import compiles, resolve_precision  # noqa: E402
 
 CONFIG = "jobs/causal_lm/small.yaml"

@@ -15,9 +15,10 @@ from raytpu.errors import ConfigError
 from raytpu.jobs.causal_lm import corpus
 from raytpu.records import checkpoints as ckpt
 from raytpu.runtime import make_runtime
-from raytpu.runtime.float8 import float8_layers, has_float8
+from raytpu.runtime.base import has_float8
 from raytpu.runtime.kinds import kind_of
 from raytpu.runtime.placement import ClusterOffer, NodeType
+from raytpu.runtime.torch_ddp import float8_layers
 from raytpu.runtime.torch_fsdp import native_runtime
 from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter

@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Any
 from raytpu.config.batching import BatchPlan, elastic_plans
 from raytpu.errors import ConfigError
 from raytpu.hooks import callback_class
-from raytpu.runtime.float8 import RECIPES
-from raytpu.runtime.kinds import PRECISIONS, kind_of
+from raytpu.runtime.kinds import FP8_RECIPES, PRECISIONS, kind_of
 
 if TYPE_CHECKING:  # raytpu.config (loading) imports this module
     from raytpu.config import Config
@@ -21,7 +20,7 @@ TRACKERS = ("tensorboard", "mlflow", "wandb")
 CHOICES: dict[str, tuple[str, ...]] = {
     "run.mode": ("train", "test"),
     "scaling.precision": PRECISIONS,
-    "scaling.fp8_recipe": RECIPES,
+    "scaling.fp8_recipe": FP8_RECIPES,
     "sharding.strategy": ("none", "full_shard"),
     "logging.wandb_mode": ("", "online", "offline", "disabled"),
     "scaling.tpu.layout": ("spmd", "multiprocess"),

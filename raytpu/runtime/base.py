@@ -19,6 +19,8 @@ from raytpu.runtime.profiling import step_mark
 
 #: the first CUDA compute capability with bf16 tensor cores (Ampere)
 BF16_CAPABILITY = (8, 0)
+#: the first with float8 tensor cores (Ada, Hopper): what ``scaling.precision: fp8`` needs
+FLOAT8_CAPABILITY = (8, 9)
 
 
 def has_bf16(capability: tuple[int, int]) -> bool:
@@ -31,6 +33,22 @@ def has_bf16(capability: tuple[int, int]) -> bool:
 def local_gpu_has_bf16(device: int | None = None) -> bool:
     """:func:`has_bf16` of this process's GPU (the current one unless ``device`` says)."""
     return has_bf16(torch.cuda.get_device_capability(device))
+
+
+def has_float8(capability: tuple[int, int]) -> bool:
+    """Whether a GPU of this compute capability has float8 tensor cores."""
+    return tuple(capability) >= FLOAT8_CAPABILITY
+
+
+def check_float8(device: torch.device) -> None:
+    """A RuntimeError that says why this worker's GPU cannot run fp8, where it cannot."""
+    capability = torch.cuda.get_device_capability(device)
+    if not has_float8(capability):
+        name = torch.cuda.get_device_name(device)
+        raise RuntimeError(
+            f"scaling.precision=fp8 needs float8 tensor cores (compute capability 8.9+) and this worker's "
+            f"{name} is {capability[0]}.{capability[1]}: use scaling.precision=bf16"
+        )
 
 
 # ------------------------------------------------------------------ GPUs: their peaks and memory by kind
@@ -68,6 +86,8 @@ GPU_MEMORY_GB = {
 
 #: GPUs without bf16 (before Ampere), by the names Ray gives them (``accelerator_type:<name>``)
 GPUS_WITHOUT_BF16 = frozenset({"K80", "M60", "P4", "P40", "P100", "V100", "T4"})
+#: GPUs with float8 tensor cores, by the names Ray gives them
+GPUS_WITH_FLOAT8 = frozenset({"L4", "L40", "L40S", "H100", "H200", "H20", "GH200", "B100", "B200", "GB200"})
 
 
 def gpu_peak_flops(name: str) -> float | None:

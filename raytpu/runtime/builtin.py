@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raytpu.errors import ConfigError
-from raytpu.runtime.base import GPUS_WITHOUT_BF16, device_memory_gb, gpu_peak_flops
-from raytpu.runtime.float8 import GPUS_WITH_FLOAT8
+from raytpu.runtime.base import GPUS_WITH_FLOAT8, GPUS_WITHOUT_BF16, device_memory_gb, gpu_peak_flops
 from raytpu.runtime.kinds import Machine, RuntimeKind, no_float8
 from raytpu.runtime.tpu import tpu_peak_flops
 

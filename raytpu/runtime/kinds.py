@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 #: precisions a config may ask for (``scaling.precision``)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")
+#: fp8's scalings (``scaling.fp8_recipe``, torchao's recipe names)
+FP8_RECIPES = ("tensorwise", "rowwise")
 #: the precisions that compute in 16-bit values (fp8 as bf16: its float8 layers' 1-byte copies are
 #: the smaller part of what a step holds)
 LOW_PRECISIONS = ("bf16", "fp16", "fp8")

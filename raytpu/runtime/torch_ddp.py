@@ -1,8 +1,19 @@
-"""cpu and cuda runtimes: PyTorch DDP (gloo on CPU, NCCL on GPU), AMP and TF32 on GPU, and
-``torch.compile`` when the plan asks for it (``raytpu.runtime.compiled``)."""
+"""cpu and cuda runtimes: PyTorch DDP (gloo on CPU, NCCL on GPU), AMP and TF32 on GPU,
+``torch.compile`` when the plan asks for it (``raytpu.runtime.compiled``), and float8 training.
+
+float8 (``scaling.precision: fp8``): every ``nn.Linear`` whose two dimensions are multiples of 16
+(what float8 matmuls take) becomes torchao's ``Float8Linear``, as torchtitan trains Llama on H100s,
+except the output head (a Transformers model's output embeddings, else the model's last linear
+layer), which decides the loss and gains little. The rest of the model computes in bf16 under
+autocast, and the float8 layers keep their weights in fp32 under the same parameter names: a
+checkpoint of an fp8 run loads into a bf16 or fp32 model, and back. ``scaling.fp8_recipe``:
+``tensorwise``, one scale per tensor, the faster, which under FSDP2 on GPUs also gathers the
+weights in float8; ``rowwise``, one scale per row, the more accurate.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -12,9 +23,8 @@ from torch import nn
 from torch.distributed.nn.functional import all_reduce
 from torch.nn.parallel import DistributedDataParallel
 
-from raytpu.runtime.base import Runtime, batchnorm_scope, clip_or_measure, gpu_peak_flops
+from raytpu.runtime.base import Runtime, batchnorm_scope, check_float8, clip_or_measure, gpu_peak_flops
 from raytpu.runtime.compiled import CompileWatch, compile_regions, compile_whole
-from raytpu.runtime.float8 import check_float8, convert_to_float8
 from raytpu.runtime.tpu import tpu_peak_flops
 
 
@@ -34,7 +44,7 @@ class DDPRuntime(Runtime):
         """``compile_mode``: torch.compile's mode, or "" for eager; ``tf32``: TF32 tensor cores for
         what stays fp32 on a GPU (matmuls and convolutions outside autocast); ``device_type``: cpu,
         cuda or tpu ("": the runtime's name says, cuda or cpu); ``fp8_recipe``: the float8 layers'
-        scaling when ``precision`` is fp8 (``raytpu.runtime.float8``)."""
+        scaling when ``precision`` is fp8 (the module docstring)."""
         super().__init__(precision, world_size, rank, local_rank)
         self.name, self.compile_mode, self.fp8_recipe = name, compile_mode, fp8_recipe
         self.float8_layers: list[str] = []
@@ -214,3 +224,59 @@ def convert_to_global_batchnorm(module: nn.Module) -> nn.Module:
     for name, child in module.named_children():
         module.add_module(name, convert_to_global_batchnorm(child))
     return module
+
+
+# ------------------------------------------------------------------ float8 (scaling.precision: fp8)
+#: what a matmul in float8 needs of a layer's dimensions
+MULTIPLE = 16
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The layer that makes the model's outputs: a Transformers model's output embeddings, else its
+    last ``nn.Linear`` (None: it has none)."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if head is not None:
+        return head
+    linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
+    return linears[-1] if linears else None
+
+
+def float8_layers(model: nn.Module) -> list[str]:
+    """The names of the linear layers fp8 computes in float8 (see the module docstring)."""
+    head = output_head(model)
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and module is not head
+        and module.in_features % MULTIPLE == 0
+        and module.out_features % MULTIPLE == 0
+    ]
+
+
+def convert_to_float8(model: nn.Module, recipe: str, gather_in_float8: bool = False) -> list[str]:
+    """Swap the :func:`float8_layers` of ``model`` for torchao's ``Float8Linear`` in place (before
+    compiling and sharding it); ``gather_in_float8``: FSDP2 all-gathers their weights in float8
+    (``tensorwise`` only). Returns the layers converted."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as exc:
+        raise RuntimeError(
+            f"scaling.precision=fp8 computes linear layers in float8 with torchao, which does not load here ({exc}): "
+            "pip install 'raytpu[fp8]'"
+        ) from None
+    chosen = set(float8_layers(model))
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if gather_in_float8 and recipe == "tensorwise":
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: name in chosen)
+    return sorted(chosen)
+
+
+def refresh_float8_scales(model: nn.Module) -> None:
+    """After an optimizer step of a model whose float8 weights FSDP2 gathers: their scales for the
+    next step, computed for all layers at once (torchao's one all-reduce instead of one a layer)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

@@ -40,8 +40,7 @@ from raytpu.console import muted_stdout
 from raytpu.errors import ConfigError
 from raytpu.runtime.base import Runtime
 from raytpu.runtime.compiled import compile_regions, compile_whole
-from raytpu.runtime.float8 import refresh_float8_scales
-from raytpu.runtime.torch_ddp import DDPRuntime
+from raytpu.runtime.torch_ddp import DDPRuntime, refresh_float8_scales
 
 
 def native_runtime(
