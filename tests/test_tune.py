@@ -405,6 +405,25 @@ def test_pbt_has_a_lagging_trial_go_on_from_the_better_one_s_checkpoint_with_a_p
     assert best.optim.lr in (0.05, 1e-6) and all(int(step) > 0 for step in best.optim.lr_changes)
 
 
+def test_a_pbt_winner_s_schedule_comes_from_its_newest_state_its_own_or_the_one_it_took_last(tmp_path):
+    """An exploit at a trial's last report leaves it no checkpoint of its own after it: its final
+    state, and the lr schedule best.yaml writes, is the one it took."""
+    from raytpu.driver.tune import lr_schedule
+    from raytpu.storage.run_folder import RunFolder
+
+    trial = tmp_path / "t1"
+    taken = trial / "exploited" / "1-checkpoint_000003"
+    taken.mkdir(parents=True)
+    (taken / "meta.json").write_text(json.dumps({"step": 30, "lr_steps": [[0, 0.05]]}))
+    exploit = {"from_trial": "t0", "checkpoint": str(tmp_path / "t0" / "checkpoint_000003"), "step": 30}
+    (trial / "exploits.json").write_text(json.dumps([{**exploit, "values": {"optim.lr": 0.032}}]))
+    assert lr_schedule(RunFolder(trial)) == {"optim.lr": 0.05, "optim.lr_changes": {}}
+    own = trial / "checkpoint_000004"
+    own.mkdir()
+    (own / "meta.json").write_text(json.dumps({"step": 40, "lr_steps": [[0, 0.05], [30, 0.032]]}))
+    assert lr_schedule(RunFolder(trial)) == {"optim.lr": 0.05, "optim.lr_changes": {30: 0.032}}
+
+
 def objects(folder) -> dict[str, tuple]:
     """Every object under a bucket folder: its size and time of writing."""
     import pyarrow.fs as pafs

@@ -39,6 +39,7 @@ from raytpu.driver.search import Search, mutations_of, parse_search, searches_of
 from raytpu.job import Job
 from raytpu.records import goodput
 from raytpu.records import summary as run_summary
+from raytpu.records.checkpoints import META
 from raytpu.records.goodput import Command
 from raytpu.records.summary import CHECKPOINT_NAME
 from raytpu.records.trackers import TRACKERS, quick_mlflow_requests
@@ -602,11 +603,22 @@ def write_best_config(sweep: Sweep, values: dict[str, Any], trial_id: str) -> st
     return folder.uri("best.yaml")
 
 
+def taken_last(trial: RunFolder) -> dict[str, Any] | None:
+    """What the checkpoint a trial took last says (its ``meta.json``): the trial's final state when
+    the exploit came at its last report, so that it wrote no checkpoint of its own after it."""
+    exploits = json.loads(trial.read_text(EXPLOITS) or "[]")
+    if not exploits:
+        return None
+    text = trial.read_text(f"exploited/{len(exploits)}-{Path(exploits[-1]['checkpoint']).name}/{META}")
+    return json.loads(text) if text else None
+
+
 def lr_schedule(trial: RunFolder) -> dict[str, Any]:
     """``optim.lr`` and ``optim.lr_changes`` from the base lrs the trial's newest checkpoint went on
     with, step by step (``lr_steps`` in its ``meta.json``, carried over from the checkpoints it took)."""
     found = run_summary.checkpoints(trial)
-    steps = found[-1].get("lr_steps", []) if found else []
+    newest = found[-1] if found else taken_last(trial)
+    steps = newest.get("lr_steps", []) if newest else []
     if not steps:
         return {}
     changes = {int(step): float(lr) for step, lr in steps[1:]}
