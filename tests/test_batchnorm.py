@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import socket
+from datetime import timedelta
 
 import pytest
 import torch
@@ -48,8 +48,8 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 3, 6, 6, generator=generator) * 3 + 1, torch.randn(8, 2, 4, 4, generator=generator)
 
 
-def worker(rank: int, port: int, queue: mp.Queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def worker(rank: int, rendezvous: str, queue: mp.Queue) -> None:
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2, timeout=timedelta(minutes=2))
     net = convert_to_global_batchnorm(model())
     x, target = batch()
     half = slice(rank * 4, rank * 4 + 4)
@@ -73,13 +73,7 @@ def as_tensors(value):
     return torch.from_numpy(value)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_global_batchnorm_on_two_gloo_workers_equals_one_process_with_the_whole_batch():
+def test_global_batchnorm_on_two_gloo_workers_equals_one_process_with_the_whole_batch(tmp_path):
     reference = model()
     x, target = batch()
     x.requires_grad_(True)
@@ -88,8 +82,8 @@ def test_global_batchnorm_on_two_gloo_workers_equals_one_process_with_the_whole_
 
     context = mp.get_context("spawn")
     queue = context.Queue()
-    port = free_port()
-    processes = [context.Process(target=worker, args=(rank, port, queue)) for rank in range(2)]
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"  # a free port can be taken by another test's Ray node
+    processes = [context.Process(target=worker, args=(rank, rendezvous, queue)) for rank in range(2)]
     for process in processes:
         process.start()
     results = {item[0]: as_tensors(item[1:]) for item in (queue.get(timeout=120) for _ in processes)}

@@ -101,13 +101,12 @@ def test_a_sharded_model_runs_the_jobs_own_test_on_every_rank(data_root: Path, t
     and files are the test's, and they equal the unsharded model's."""
     from raytpu.records.checkpoints import save_weights
     from tests.conftest import start_python
-    from tests.stores import free_port
 
     cfg = config(f"data.path={data_root}", "job.test_images=2")
     torch.manual_seed(0)
     save_weights(tmp_path / "model.safetensors", JOB.build_model(cfg).state_dict())
     words = [*TINY, "job.test_images=2", "--fsdp", "full_shard", f"checkpoint.weights={tmp_path / 'model.safetensors'}"]
-    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    env = {"WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
     args = ["-m", "tests.sharded_test_worker", str(tmp_path / "run"), str(data_root), *words]
     ranks = [start_python(args, {**env, "RANK": str(rank)}) for rank in range(2)]
     try:

@@ -35,8 +35,9 @@ def breakdown_of(run_dir: Path) -> dict:
 
 def assert_delays_land_in_their_categories(record: dict, injected: dict[str, float]) -> None:
     categories = record["categories"]
-    for name, seconds in injected.items():
-        assert seconds <= categories[name] <= 1.1 * seconds + 0.02, (name, categories)
+    for name, seconds in injected.items():  # each of 128 sleeps of 4 ms overshoots on a busy machine;
+        # a delay in the wrong category would move a whole other category's 0.5 s or more
+        assert seconds <= categories[name] <= 1.25 * seconds + 0.05, (name, categories)
     assert sum(categories.values()) == pytest.approx(record["wall_s"], rel=1e-9)
     assert record["goodput"] == pytest.approx(categories["productive"] / record["wall_s"])
 
