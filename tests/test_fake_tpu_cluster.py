@@ -100,10 +100,9 @@ def test_multiprocess_task_ids_follow_the_tpu_worker_id(placements: dict[str, An
     assert sorted(task_ids) == list(range(8))
 
 
-def test_an_elastic_range_of_slices_loses_a_slice_and_goes_on_with_the_whole_one(placements: dict[str, Any]) -> None:
+def test_an_elastic_range_of_slices_loses_a_slice_and_goes_on_with_the_other(placements: dict[str, Any]) -> None:
     """``scaling.tpu.slices=1:2``: the plan asks Ray for 2 to 4 spmd workers (whole slices), the group
-    spans both slices, and once a host of slice-b goes it restarts on slice-a alone (never on the
-    broken slice's surviving host), the change recorded."""
+    spans both slices, and once slice-b is preempted it restarts on slice-a alone, the change recorded."""
     elastic = placements["elastic"]
     scaling = elastic["plan"]["scaling"]
     assert (scaling["min_workers"], scaling["num_workers"]) == (2, 4)
