@@ -296,6 +296,12 @@ def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_sessi
     assert trained.best_checkpoint and Path(trained.best_checkpoint, "model.safetensors").is_file()
 
 
+def crashes(output: str) -> list[str]:
+    """The tracebacks in a command's output, less a Ray worker's own as its instance shuts down (its
+    SIGTERM handler raises SystemExit in whatever it was doing, and Ray relays that to the driver)."""
+    return [block for block in output.split("Traceback (most recent call last):")[1:] if "sigterm_handler" not in block]
+
+
 def test_an_interrupted_optuna_sweep_resumes_its_search_without_rerunning_finished_trials(
     ray_session, tmp_path, mshnet_data
 ):
@@ -340,7 +346,7 @@ def test_an_interrupted_optuna_sweep_resumes_its_search_without_rerunning_finish
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resuming sweep" in second.stdout
     shown = second.stdout + second.stderr
-    assert "multiple active Ray instances" not in shown and "Traceback" not in shown, shown[-3000:]
+    assert "multiple active Ray instances" not in shown and not crashes(shown), shown[-3000:]
     results = tmp_path / "results.csv"
     results.write_text(RunFolder(f"{storage}/resume").read_text("results.csv"))
     rows = read_rows(results)
