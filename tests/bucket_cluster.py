@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tests.stores import BUCKET
 
-TINY = ["job.base_size=64", "job.crop_size=64", "job.warm_epoch=0", "job.synth_n=40", "job.synth_size=64",
+TINY = ["job.base_size=32", "job.crop_size=32", "job.warm_epoch=0", "job.synth_n=40", "job.synth_size=32",
         "scaling.num_workers=2", "data.global_batch_size=8", "loop.log_every=1", "logging.progress_bar=false",
         "loop.epochs=3", "checkpoint.num_to_keep=5"]  # fmt: skip
 RUNS = f"s3://{BUCKET}/cluster"
@@ -86,7 +86,7 @@ def main(out: Path) -> None:
     from raytpu.storage.run_folder import RunFolder
 
     config = Path(__file__).resolve().parents[1] / "jobs" / "mshnet" / "small.yaml"
-    synthesize(out / "data", n=40, size=64, seed=0)
+    synthesize(out / "data", n=40, size=32, seed=0)
     data = [f"data.path={out / 'data'}"]
     node_tmp = [out / "node1-tmp", out / "node2-tmp"]
     # no dashboard: nothing here reads it (tests/fake_tpu_cluster.py: 8 of 80 s of CPU)
