@@ -53,6 +53,12 @@ def make_runtime(
     resolved, message = kind.precision(precision, kind.local_bf16())
     if message:
         warn(message)
-    options = {"xla": xla_options, "compile_cache": compile_cache, "compile_mode": compile_mode, "tf32": tf32}
-    options["fp8_recipe"] = fp8_recipe
-    return kind.make(resolved, world_size, rank, local_rank, {**options, "sharding": sharding})
+    options = {
+        "xla": xla_options,
+        "compile_cache": compile_cache,
+        "compile_mode": compile_mode,
+        "tf32": tf32,
+        "fp8_recipe": fp8_recipe,
+        "sharding": sharding,
+    }
+    return kind.make(resolved, world_size, rank, local_rank, options)

@@ -24,12 +24,6 @@ from raytpu.runtime.base import GPUS_WITH_FLOAT8, GPUS_WITHOUT_BF16, device_memo
 from raytpu.runtime.kinds import Machine, RuntimeKind, no_float8
 from raytpu.runtime.tpu import tpu_peak_flops
 
-#: the refusal of fp8 on GPUs without float8 (``gpus``: what they are)
-NO_FLOAT8_GPU = (
-    "scaling.precision=fp8 needs GPUs with float8 (compute capability 8.9+: L4, L40S, H100, H200, B200) and {gpus}: "
-    "use scaling.precision=bf16"
-)
-
 if TYPE_CHECKING:
     from raytpu.runtime.base import Runtime
     from raytpu.runtime.placement import ClusterOffer
@@ -97,7 +91,7 @@ class CUDA(RuntimeKind):
 
     def precision(self, requested: str, bf16_supported: bool = True) -> tuple[str, str | None]:
         if requested == "fp8" and not bf16_supported:
-            raise ConfigError(NO_FLOAT8_GPU.format(gpus="this GPU has no bf16 either"))
+            raise no_float8(self.name, "this GPU has no bf16 either")
         if requested == "auto":
             return ("bf16" if bf16_supported else "fp16"), None
         if requested == "bf16" and not bf16_supported:
@@ -112,7 +106,7 @@ class CUDA(RuntimeKind):
     def plan_precision(self, requested: str, offer: ClusterOffer) -> tuple[str, str | None]:
         kinds = offer.accelerator_types("GPU")
         if requested == "fp8" and kinds and not kinds & GPUS_WITH_FLOAT8:
-            raise ConfigError(NO_FLOAT8_GPU.format(gpus=f"the cluster's GPUs are {', '.join(sorted(kinds))}"))
+            raise no_float8(self.name, f"the cluster's GPUs are {', '.join(sorted(kinds))}")
         return self.precision(requested, not (kinds and kinds <= GPUS_WITHOUT_BF16))  # else each worker's GPU decides
 
     def scaling(self, cfg: Any, resources: dict[str, float]) -> dict[str, Any]:

@@ -183,11 +183,13 @@ class RuntimeKind:
         return False
 
 
-def no_float8(runtime: str) -> ConfigError:
-    """The refusal of ``scaling.precision: fp8`` on a runtime whose devices have no float8."""
+def no_float8(runtime: str, gpus: str = "") -> ConfigError:
+    """The refusal of ``scaling.precision: fp8`` on a runtime whose devices have no float8, or on
+    GPUs without it (``gpus``: what they are)."""
+    where = gpus or f"this run is on the {runtime} runtime"
     return ConfigError(
         f"scaling.precision=fp8 needs NVIDIA GPUs with float8 (compute capability 8.9+: L4, L40S, H100, H200, "
-        f"B200) and this run is on the {runtime} runtime: use scaling.precision=bf16"
+        f"B200) and {where}: use scaling.precision=bf16"
     )
 
 
