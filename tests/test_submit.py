@@ -10,7 +10,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from raytpu.driver.submit import (
     split_args,
     submission_id,
 )
+from tests.stores import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -241,12 +241,6 @@ def test_a_launch_submits_raytpu_launch_with_the_script_s_own_arguments_untouche
 
 
 # ------------------------------------------------------------------ a real head
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def ours(marker: str) -> list[int]:
     """Processes whose command line names our temp dir: the head and its workers, nobody else's."""
     pids = []
@@ -263,9 +257,7 @@ def ours(marker: str) -> list[int]:
 def ray_head(stores):
     """`ray start --head --block` on loopback with free ports, its own temp dir and a token; stopped by
     signalling its process group (never `ray stop`, which would stop every Ray on this machine)."""
-    temp_dir = tempfile.mkdtemp(prefix="rtsub-", dir="/tmp")  # short: Ray's socket paths have a length limit
     token = secrets.token_hex(16)
-    dashboard = free_port()
     env = {
         **os.environ,
         "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -274,31 +266,12 @@ def ray_head(stores):
         "PYTHONPATH": str(ROOT),
     }
     env.pop("RAY_ADDRESS", None)
-    ports = {
-        "--port": free_port(),
-        "--dashboard-port": dashboard,
-        "--ray-client-server-port": free_port(),
-        "--dashboard-agent-listen-port": free_port(),
-        "--dashboard-agent-grpc-port": free_port(),
-        "--metrics-export-port": free_port(),
-        "--runtime-env-agent-port": free_port(),
-    }
-    command = [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1"]
-    command += [f"{flag}={port}" for flag, port in ports.items()]
-    command += ["--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=2", f"--temp-dir={temp_dir}"]
-    command += ["--disable-usage-stats"]
-    log = Path(temp_dir) / "ray-start.log"
-    with log.open("w") as out:
-        head = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    address = f"http://127.0.0.1:{dashboard}"
+    head, temp_dir, address = start_head(env, token)
     # Ray's job clients (this module's, and `ray job submit`'s) take RAY_ADDRESS (the session's own
     # local instance, once one runs) over the address they are given: this one they take first
     previous = os.environ.get("RAY_API_SERVER_ADDRESS")
     os.environ["RAY_API_SERVER_ADDRESS"] = address
     try:
-        wait_for_dashboard(address, token, head, log)
         yield {"address": address, "token": token}
     finally:
         stop_head(head, temp_dir)
@@ -307,12 +280,44 @@ def ray_head(stores):
             os.environ["RAY_API_SERVER_ADDRESS"] = previous
 
 
+def start_head(env: dict[str, str], token: str, tries: int = 3) -> tuple[subprocess.Popen, str, str]:
+    """The head, its temp dir and its dashboard's address. A head that exits at start (a port picked
+    free and taken before it bound it) is started again on fresh ports."""
+    for attempt in range(1, tries + 1):
+        temp_dir = tempfile.mkdtemp(prefix="rtsub-", dir="/tmp")  # short: Ray's socket paths have a length limit
+        flags = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
+                 "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port")  # fmt: skip
+        ports = dict(zip(flags, free_ports(len(flags)), strict=True))
+        command = [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1"]
+        command += [f"{flag}={port}" for flag, port in ports.items()]
+        command += ["--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=2", f"--temp-dir={temp_dir}"]
+        command += ["--disable-usage-stats"]
+        log = Path(temp_dir) / "ray-start.log"
+        with log.open("w") as out:
+            head = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        address = f"http://127.0.0.1:{ports['--dashboard-port']}"
+        try:
+            wait_for_dashboard(address, token, head, log)
+            return head, temp_dir, address
+        except HeadExited:
+            stop_head(head, temp_dir)
+            if attempt == tries:
+                raise
+
+
+class HeadExited(AssertionError):
+    """The head's process ended before its dashboard answered."""
+
+
 def wait_for_dashboard(address: str, token: str, head: subprocess.Popen, log: Path, timeout: float = 120) -> None:
     from ray.job_submission import JobSubmissionClient
 
     deadline = time.monotonic() + timeout
     while True:
-        assert head.poll() is None, log.read_text()[-3000:]
+        if head.poll() is not None:
+            raise HeadExited(log.read_text()[-3000:])
         try:
             JobSubmissionClient(address, headers={"Authorization": f"Bearer {token}"}).list_jobs()
             return

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,15 +26,10 @@ from raytpu.records.trackers import TRACKERS
 from raytpu.runtime import make_runtime
 from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter
+from tests.stores import free_port
 
 TOY = ["job.name=tests.toy_job", "job.samples=64", "data.global_batch_size=8", "loop.log_every=2",
        "logging.progress_bar=false"]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class MLflowServer:
@@ -298,6 +292,9 @@ def test_wandb_offline_holds_the_history_and_a_resume_continues_the_run_id(tmp_p
 
     fit(1)
     run_id = json.loads((run_dir / TRACKERS).read_text())["wandb"]["run_id"]
+    # W&B names an offline run's folder by the second it started: a retry (seconds later on Ray)
+    # starting in the same second as the first attempt would share its folder
+    time.sleep(1.05 - time.time() % 1)
     fit(2)
     assert json.loads((run_dir / TRACKERS).read_text())["wandb"]["run_id"] == run_id
     files = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
