@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 #: credentials the tests give their S3 server: fake, and distinctive, so that a test can look for them
@@ -90,15 +92,37 @@ def make_gcs_bucket(url: str, name: str) -> None:
     urllib.request.urlopen(request, timeout=10).close()
 
 
+#: Ray's worker processes take ports 10002-19999 by default; ports from here up to the system's
+#: ephemeral range are handed out only to whoever asks for one by number
+PICKED_PORTS_FROM = 20000
+#: not the ``random`` module's own generator, which a test may seed (both test processes alike)
+DRAWS = random.SystemRandom()
+
+
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports on loopback (all held open while they are picked: one at a
-    time, the system may hand out the same port twice). Free now, not reserved: a server started
-    on one may find it taken and must be started again."""
+    """``count`` distinct ports free on loopback, drawn at random below the system's ephemeral range
+    (``ip_local_port_range``). The kernel gives a ``bind(0)`` or an outgoing connection of another
+    process (the many servers of the other test process's Ray) only ports of that range, so none of
+    those can take a port picked here before the server it is for binds it."""
+    low, high = PICKED_PORTS_FROM, ephemeral_ports_start() - 1
+    ports: list[int] = []
     with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+        while len(ports) < count:
+            port = DRAWS.randint(low, high)
+            sock = stack.enter_context(socket.socket())
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # in use, or taken by another picker a moment ago
+                continue
+            ports.append(port)
+    return ports
+
+
+def ephemeral_ports_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port() -> int:

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -281,8 +283,9 @@ def ray_head(stores):
 
 
 def start_head(env: dict[str, str], token: str, tries: int = 3) -> tuple[subprocess.Popen, str, str]:
-    """The head, its temp dir and its dashboard's address. A head that exits at start (a port picked
-    free and taken before it bound it) is started again on fresh ports."""
+    """The head, its temp dir and its dashboard's address. A head that exits at start, or whose
+    dashboard port answers for another cluster (a port picked free and taken before the head bound
+    it), is started again on fresh ports."""
     for attempt in range(1, tries + 1):
         temp_dir = tempfile.mkdtemp(prefix="rtsub-", dir="/tmp")  # short: Ray's socket paths have a length limit
         flags = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
@@ -301,30 +304,35 @@ def start_head(env: dict[str, str], token: str, tries: int = 3) -> tuple[subproc
         try:
             wait_for_dashboard(address, token, head, log)
             return head, temp_dir, address
-        except HeadExited:
+        except BaseException as failed:  # never a head left running: stopped, then tried again or raised
             stop_head(head, temp_dir)
-            if attempt == tries:
+            if not isinstance(failed, HeadNotStarted) or attempt == tries:
                 raise
 
 
-class HeadExited(AssertionError):
-    """The head's process ended before its dashboard answered."""
+class HeadNotStarted(AssertionError):
+    """The head's process ended before its dashboard answered, or another cluster's answered."""
 
 
 def wait_for_dashboard(address: str, token: str, head: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    from ray.job_submission import JobSubmissionClient
-
+    """Until the dashboard at ``address`` answers with our token (asked directly: Ray's job client
+    would go to the session's own instance, whose address it takes from the environment first)."""
+    request = urllib.request.Request(f"{address}/api/version", headers={"Authorization": f"Bearer {token}"})
     deadline = time.monotonic() + timeout
     while True:
         if head.poll() is not None:
-            raise HeadExited(log.read_text()[-3000:])
+            raise HeadNotStarted(log.read_text()[-3000:])
         try:
-            JobSubmissionClient(address, headers={"Authorization": f"Bearer {token}"}).list_jobs()
+            urllib.request.urlopen(request, timeout=5).close()
             return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
+        except urllib.error.HTTPError as refused:
+            if refused.code in (401, 403):  # our token refused: another cluster's server took the port
+                raise HeadNotStarted(f"{address} is another cluster's: {refused}") from refused
+        except OSError:  # not listening yet
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the head's dashboard at {address} did not answer in {timeout:g} s")
+        time.sleep(1)
 
 
 def stop_head(head: subprocess.Popen, temp_dir: str) -> None:
