@@ -61,8 +61,8 @@ class MLflowServer:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, 15)  # the server, its uvicorn and its job runners: one session
             try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:  # a loaded machine: its workers may not stop in time
+                self.process.wait(2)
+            except subprocess.TimeoutExpired:  # uvicorn waits out its clients' keep-alive connections
                 os.killpg(self.process.pid, 9)
                 self.process.wait(30)
 
