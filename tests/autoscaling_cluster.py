@@ -137,9 +137,9 @@ class Head:
         self.config.write_text(json.dumps(mirror(self.launcher, self.keep, self.gcs_port)))
         fake = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_enable_autoscaler_v2": "1"}
         fake |= {"RAY_CLOUD_INSTANCE_ID": FAKE_HEAD_ID, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_ID}
+        env = {**self.env, **fake}
         self.commands = [self.adapted(command, self.launcher) for command in self.launcher["head_start_ray_commands"]]
         for command in self.commands:
-            env = {**self.env, **fake}
             subprocess.run(["bash", "-c", command], env=env, check=True, capture_output=True, text=True)
 
     def adapted(self, command: str, launcher: dict[str, Any]) -> str:
