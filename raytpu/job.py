@@ -169,6 +169,22 @@ class Tabular(Protocol):
 
 
 @runtime_checkable
+class ReadsText(Protocol):
+    """Trains on a text corpus of the user's (``data.train_files``; ``raytpu.corpus``): its
+    documents tokenized by the job's tokenizer, joined by its end-of-text token and cut into blocks
+    of :meth:`block_length` tokens; every batch is ``{"input_ids": (n, length) int64}``, on both
+    ingest paths."""
+
+    def block_length(self, cfg: Config) -> int: ...
+
+    def text_encoder(self, cfg: Config, data_root: Path, texts: Callable[[], Iterator[str]], source: str) -> Any:
+        """The tokenizer as a ``raytpu.corpus.packing.TextEncoder`` (picklable): the job's own, or
+        one trained on ``texts`` (the training documents, read lazily) and kept in ``data_root``;
+        ``source`` names the training files (a trained tokenizer is made again when they change)."""
+        ...
+
+
+@runtime_checkable
 class Exports(Protocol):
     """``raytpu export``: write the trained ``model`` (weights loaded, on the CPU) to ``out`` in the
     format its ecosystem loads (a Transformers ``save_pretrained`` folder, ...)."""

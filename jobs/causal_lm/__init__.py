@@ -17,7 +17,7 @@ import difflib
 import inspect
 import math
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,9 @@ class CausalLMConfig(JobConfig):
     seq_len: int = 128  # tokens per packed block
     vocab_size: int = 4096  # entries of the tokenizer trained by `raytpu data synth causal_lm`
     corpus: str = ""  # "" = the pinned standard-library files; else a folder of .py/.txt/.md files
-    tokenizer: str = ""  # "" = train a byte-level BPE tokenizer; else a save_pretrained folder to reuse
+    # "" = the pretrained model's own (model_name_or_path), else one trained on the corpus; or a
+    # save_pretrained folder (--tokenizer_name)
+    tokenizer: str = ""
     prompt: str = "def "  # generated from at each evaluation (TensorBoard text)
     sample_tokens: int = 48  # tokens generated per evaluation (0 = none)
 
@@ -170,6 +172,7 @@ class CausalLMJob(Job):
         "--model_type": "job.model_type",
         "--config_overrides": Flag(convert=config_overrides, text=True),  # run_clm.py's
         "--use_liger_kernel": Flag(key="job.fused_loss", switch=True),  # TrainingArguments': the same fused loss
+        "--tokenizer_name": "job.tokenizer",  # run_clm.py's: a save_pretrained folder
     }
     requires = ("transformers", "tokenizers")
     stats_files = (*corpus.TOKENIZER_FILES, corpus.CORPUS_FILE)
@@ -215,6 +218,30 @@ class CausalLMJob(Job):
                 f"set job.vocab_size={vocabulary} or make the data again"
             )
         return corpus.PackedBlocks(tokens, cfg.job.seq_len)
+
+    # --------------------------------------------- a corpus of the user's (data.train_files)
+    def block_length(self, cfg: Config) -> int:
+        return cfg.job.seq_len
+
+    def text_encoder(
+        self, cfg: Config, data_root: Path, texts: Callable[[], Iterator[str]], source: str
+    ) -> corpus.FastEncoder:
+        """The tokenizer of ``job.tokenizer``, of the pretrained model, or trained on ``texts``
+        into ``data_root``; refused when the model cannot embed every id it gives."""
+        job = cfg.job
+        folder = corpus.tokenizer_folder(job.tokenizer, job.model_name_or_path, data_root)
+        encoder = corpus.FastEncoder(corpus.corpus_tokenizer(folder, data_root, texts, source, job.vocab_size))
+        embeddings = architecture(job).vocab_size
+        if encoder.vocab_size > embeddings:
+            fix = (
+                "give the model's own tokenizer"
+                if job.model_name_or_path
+                else f"set job.vocab_size={encoder.vocab_size}"
+            )
+            raise ValueError(
+                f"the tokenizer in {folder} has {encoder.vocab_size} entries but the model embeds {embeddings}; {fix}"
+            )
+        return encoder
 
     def flops_per_sample(self, cfg: Config, model: nn.Module) -> float | None:
         """PaLM's count for one block: (6 N + 12 L d T) per token, times T tokens."""
@@ -315,13 +342,14 @@ class CausalLMJob(Job):
         job = ctx.config.job
         if not job.sample_tokens:
             return {}
-        tokenizer = corpus.load_tokenizer(data_root)
+        tokenizer = corpus.load_tokenizer(corpus.tokenizer_folder(job.tokenizer, job.model_name_or_path, data_root))
         return {"sample": generate(model, tokenizer, job.prompt, job.sample_tokens)}
 
     # ---------------------------------------------------------------- export
     def export(self, model: nn.Module, cfg: Config, data_root: Path, out: Path) -> None:
         """A folder ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load."""
-        tokenizer = corpus.load_tokenizer(data_root)
+        job = cfg.job
+        tokenizer = corpus.load_tokenizer(corpus.tokenizer_folder(job.tokenizer, job.model_name_or_path, data_root))
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.set_attn_implementation("sdpa")  # what any Transformers install has (same results, unpadded)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +92,79 @@ def load_tokenizer(folder: Path):  # -> PreTrainedTokenizerFast
     if not (Path(folder) / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{folder} has no tokenizer.json; make the data with `raytpu data synth causal_lm`")
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+def tokenizer_folder(tokenizer: str, model: str, data_root: Path) -> Path:
+    """Where a run's tokenizer is: ``job.tokenizer``, else the pretrained model's own folder when
+    it has one, else the data folder (the one trained on the corpus)."""
+    if tokenizer:
+        return Path(tokenizer)
+    if model and (Path(model) / "tokenizer.json").is_file():
+        return Path(model)
+    return Path(data_root)
+
+
+#: characters of the training text a tokenizer is trained on when none is given
+TRAINING_CHARACTERS = 64 << 20
+#: the record, beside a tokenizer trained here, of the corpus it was trained on
+TRAINED_ON = "tokenizer_source.json"
+
+
+def corpus_tokenizer(folder: Path, data_root: Path, texts: Callable[[], Iterator[str]], source: str, vocab_size: int):
+    """The tokenizer of a corpus of the user's: the one in ``folder`` when it is not the data
+    folder; else the one trained there on this corpus before, or one trained now on its first
+    :data:`TRAINING_CHARACTERS` characters and saved there."""
+    if Path(folder) != Path(data_root):
+        return load_tokenizer(folder)
+    record = {"source": source, "vocab_size": vocab_size}
+    marker = Path(data_root) / TRAINED_ON
+    if (Path(data_root) / "tokenizer.json").is_file() and marker.is_file() and json.loads(marker.read_text()) == record:
+        return load_tokenizer(data_root)
+
+    def head() -> Iterator[str]:
+        size = 0
+        for text in texts():
+            yield text
+            size += len(text)
+            if size >= TRAINING_CHARACTERS:
+                return
+
+    tokenizer = train_tokenizer(list(head()), vocab_size)
+    Path(data_root).mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(data_root))
+    marker.write_text(json.dumps(record))
+    return tokenizer
+
+
+class FastEncoder:
+    """A Transformers fast tokenizer as the corpus path uses it (``raytpu.corpus.packing.TextEncoder``):
+    its ``tokenizers`` core travels as JSON and is rebuilt once per process."""
+
+    def __init__(self, tokenizer) -> None:  # a PreTrainedTokenizerFast
+        if tokenizer.eos_token_id is None:
+            raise ValueError(
+                "the tokenizer has no end-of-text token to join documents with; give one with an eos_token"
+            )
+        self.json = tokenizer.backend_tokenizer.to_str()
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.vocab_size = len(tokenizer)
+        self.fingerprint = hashlib.sha256(self.json.encode()).hexdigest()[:16]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        encodings = backend(self.json, self.fingerprint).encode_batch(texts, add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
+
+
+#: tokenizers rebuilt in this process, by fingerprint
+BACKENDS: dict[str, object] = {}
+
+
+def backend(text: str, fingerprint: str):  # -> tokenizers.Tokenizer
+    if fingerprint not in BACKENDS:
+        from tokenizers import Tokenizer
+
+        BACKENDS[fingerprint] = Tokenizer.from_str(text)
+    return BACKENDS[fingerprint]
 
 
 def encode_split(tokenizer, texts: Sequence[str]) -> np.ndarray:

@@ -229,6 +229,8 @@ def datasets_of(cfg: Config, mode: str) -> tuple[str, ...]:
     """The Ray Datasets a run's ``TorchTrainer`` is given: ``data.loader=ray``'s splits."""
     if cfg.data.loader != "ray" or mode == "launch":
         return ()
+    if cfg.data.train_files:  # a streamed corpus: the training blocks come from its feeder (raytpu.corpus)
+        return ("valid",) if mode == "train" else ("test",)
     return ("train", "valid") if mode == "train" else ("test",)
 
 

@@ -89,8 +89,17 @@ class DataSettings:
     loader: str = "torch"  # torch | ray
     shuffle: bool = True
     prefetch_batches: int = 2  # data.loader=ray: batches each worker decodes ahead (in as many threads)
-    shuffle_buffer: int = 0  # data.loader=ray: local shuffle buffer rows per worker (0 = 8 x per-worker batch)
+    # data.loader=ray: local shuffle buffer rows per worker (0 = 8 x per-worker batch); a text corpus: the
+    # blocks shuffled together, in whole global batches (0 = 8 global batches)
+    shuffle_buffer: int = 0
     materialize_mb: float = 1024  # data.loader=ray: a train set this small is read once, reshuffled each epoch
+    # a text corpus of your own, for jobs that read text (causal_lm): files, folders or glob patterns of
+    # .jsonl/.json, .parquet, .txt/.md/.py or a datasets save_to_disk folder, local, gs:// or s3:// (--train_file)
+    train_files: list[str] = field(default_factory=list)
+    validation_files: list[str] = field(default_factory=list)  # [] = held out of train_files (--validation_file)
+    text_column: str = "text"  # the field / column that holds the text (--text_column_name)
+    validation_split_percentage: float = 5.0  # documents held out when no validation files are named
+    max_eval_samples: int = 0  # blocks of the validation text each evaluation reads (0 = all)
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,28 @@ def read_json_object(text: str) -> dict[str, Any]:
     return settings
 
 
+def file_list(key: str) -> Callable[[Any], Pairs]:
+    """``--train_file a.jsonl`` (or several, comma-separated): the list of files ``key`` holds."""
+
+    def convert(value: Any) -> Pairs:
+        files = value if isinstance(value, list) else [part.strip() for part in str(value).split(",") if part.strip()]
+        return [(key, [str(item) for item in files])]
+
+    return convert
+
+
+def dataset_name(value: Any) -> Pairs:
+    """``run_clm.py``'s ``--dataset_name``: here a ``datasets`` ``save_to_disk`` folder (local or in a
+    bucket); a hub name is refused, since nothing is downloaded."""
+    text = str(value)
+    if "://" not in text and not Path(text).exists():
+        raise ConfigError(
+            f"--dataset_name {text}: raytpu downloads nothing and {text!r} is no folder here; save the data set "
+            "with datasets' save_to_disk (or write JSON lines / parquet) and pass that folder, or use --train_file"
+        )
+    return [("data.train_files", [text])]
+
+
 #: flag -> raytpu key (or rule); docs/configuration.md's table lists the same
 TRAINING_ARGUMENTS: dict[str, Alias] = {
     "--output_dir": "run.storage_path",
@@ -226,6 +248,17 @@ TRAINING_ARGUMENTS: dict[str, Alias] = {
     "--logging_strategy": Flag(ignored="raytpu logs every --logging_steps steps"),
     "--report_to": Flag(convert=report_to),
     "--resume_from_checkpoint": Flag(convert=resume_from_checkpoint),
+    # run_clm.py's data arguments: a text corpus of the user's (jobs that read text)
+    "--train_file": Flag(convert=file_list("data.train_files"), text=True),
+    "--validation_file": Flag(convert=file_list("data.validation_files"), text=True),
+    "--dataset_name": Flag(convert=dataset_name, text=True),
+    "--dataset_config_name": Flag(ignored="raytpu reads a saved datasets folder as it is (--dataset_name DIR)"),
+    "--text_column_name": "data.text_column",
+    "--validation_split_percentage": "data.validation_split_percentage",
+    "--max_eval_samples": "data.max_eval_samples",
+    "--streaming": Flag(switch=True, convert=lambda on: [("data.loader", "ray" if on else "torch")]),
+    "--preprocessing_num_workers": Flag(ignored="raytpu tokenizes in Ray Data tasks on the cluster's spare CPUs"),
+    "--overwrite_cache": Flag(ignored="raytpu makes the corpus index again whenever a file or option changed"),
 }
 
 

@@ -36,6 +36,7 @@ from raytpu.cluster.connect import (
 from raytpu.config import Config, dump_yaml
 from raytpu.config.memory import check_memory
 from raytpu.config.plan import Facts, Plan, ScriptPlan, make_plan
+from raytpu.corpus.prepare import streamed, text_sizes
 from raytpu.driver import preflight
 from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunFailed, RunStopped
@@ -143,6 +144,8 @@ def prepare(
         connect(address, quiet=mode == "test", verbose=cfg.logging.verbose)
         offer, where = read_offer(this_machine=joined_here()), joined()
     marks["connected"] = time.time()
+    if job is not None and data_root is not None and streamed(cfg):  # counted by Ray Data tasks
+        sizes = text_sizes(cfg, job, data_root, mode)
     if script is not None:  # the launch-state numbers of a rerun come after the run folder's own
         names = checkpoint_names(RunFolder(join(cfg.run.storage_path, cfg.run.name)))
         script = dataclasses.replace(script, last_checkpoint=last_state_number(names))

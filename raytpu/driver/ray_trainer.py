@@ -9,6 +9,7 @@ retention rule, ``raytpu.worker.reporting``) and retries (``FailureConfig``) all
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 from raytpu.config import Config
@@ -116,7 +117,13 @@ def ray_datasets(plan: Plan) -> dict[str, Any]:
         return {}
     from ray.train import DataConfig
 
+    from raytpu.corpus.feeder import feeder_name
+    from raytpu.corpus.prepare import streamed, text_datasets
     from raytpu.job import load_job
+
+    if streamed(cfg):
+        feeder = feeder_name(plan.facts.command, cfg.run.name)
+        return text_datasets(cfg, load_job(cfg.job.name), Path(plan.facts.data_root), plan.mode, feeder)
 
     datasets = read_datasets(cfg, load_job(cfg.job.name), plan.mode)
     # only the train set is split over the workers; eval sets are read whole (raytpu.storage.tables)
@@ -224,12 +231,16 @@ def run_plan(plan: Plan) -> Any:
     and the failing rank's traceback."""
     from ray.train import TrainingFailedError
 
+    from raytpu.corpus.feeder import stop_feeders
+
     wait_for_workers(plan)
     try:
         return fit(build_trainer(plan))
     except TrainingFailedError as exc:
         summary, details = root_cause(exc)
         raise RunFailed(summary, details) from exc
+    finally:
+        stop_feeders()
 
 
 def root_cause(exc: BaseException) -> tuple[str, str]:

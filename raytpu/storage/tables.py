@@ -25,7 +25,7 @@ import hashlib
 import json
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raytpu.errors import ConfigError
-from raytpu.job import ROWS_PER_FILE, Columns, Job, Tabular
+from raytpu.job import ROWS_PER_FILE, Batch, BatchDecoder, Columns, Job, Tabular
 from raytpu.storage.filesystems import filesystem
 
 MANIFEST = "_raytpu_prepared.json"
@@ -235,3 +235,28 @@ def open_prepared(location: str, job: str) -> Prepared:
             f"not {job!r} ({FORMAT}); prepare it again with `raytpu data prepare {job}`"
         )
     return Prepared(location, fs, base, manifest)
+
+
+@dataclass
+class EvalBatches:
+    """Re-iterable eval batches: this worker's rows (``id % world == rank``) in batches of ``batch``."""
+
+    iterator: Any
+    decode: BatchDecoder
+    shapes: dict[str, list[int]]
+    rank: int
+    world: int
+    batch: int
+    prefetch: int
+
+    def __iter__(self) -> Iterator[Batch]:
+        pending: pa.Table | None = None
+        for table in self.iterator.iter_batches(batch_format="pyarrow", prefetch_batches=self.prefetch):
+            ids = table.column("id").to_numpy()
+            mine = table.filter(pa.array(ids % self.world == self.rank))
+            pending = mine if pending is None else pa.concat_tables([pending, mine])
+            while pending.num_rows >= self.batch:
+                yield self.decode(to_columns(pending.slice(0, self.batch), self.shapes), 0)
+                pending = pending.slice(self.batch)
+        if pending is not None and pending.num_rows:
+            yield self.decode(to_columns(pending, self.shapes), 0)

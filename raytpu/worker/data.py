@@ -15,7 +15,6 @@ worker keeping the rows ``id % workers == rank``; writing and reading the tables
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,7 +28,7 @@ from raytpu.config import Config
 from raytpu.config.batching import BatchPlan
 from raytpu.job import Batch, BatchDecoder, Job, table_for
 from raytpu.runtime.base import Runtime
-from raytpu.storage.tables import open_prepared, to_columns
+from raytpu.storage.tables import EvalBatches, open_prepared, to_columns
 
 
 class WorkerData(Protocol):
@@ -139,6 +138,9 @@ class TorchData:
     def eval_batches(self, split: str) -> Iterable[Batch]:
         if split not in self.eval_loaders:
             dataset: Dataset = self.job.build_dataset(self.cfg, split, self.data_root)
+            limit = self.cfg.data.max_eval_samples
+            if limit and limit < len(dataset):  # type: ignore[arg-type]
+                dataset = Subset(dataset, range(limit))
             plan = BatchPlan.of(self.cfg)
             plan.check_split(split, len(dataset), str(self.data_root))
             shard = Subset(dataset, range(self.rank, len(dataset), self.workers))
@@ -150,10 +152,23 @@ class TorchData:
 
 
 def make_worker_data(
-    cfg: Config, job: Job, runtime: Runtime, data_root: Path, datasets: dict[str, Any] | None, mode: str = "train"
+    cfg: Config,
+    job: Job,
+    runtime: Runtime,
+    data_root: Path,
+    datasets: dict[str, Any] | None,
+    mode: str = "train",
+    feeder: str = "",
 ) -> WorkerData:
     """The ingest path ``data.loader`` names: ``torch`` (map-style Datasets) or ``ray`` (Ray Data shards,
-    ``datasets`` mapping a split to its ``DataIterator``)."""
+    ``datasets`` mapping a split to its ``DataIterator``; a text corpus's training blocks from the
+    run's ``feeder``: ``raytpu.corpus``)."""
+    if cfg.data.loader == "ray" and cfg.data.train_files:
+        from raytpu.corpus.stream import CorpusStream
+
+        length = job.block_length(cfg)  # type: ignore[attr-defined]
+        rank, world = runtime.data_parallel_rank, runtime.data_parallel_size
+        return CorpusStream(cfg, feeder if mode == "train" else "", length, rank, world, datasets or {})
     if cfg.data.loader == "ray":
         batch = worker_batch(cfg, runtime) if mode == "train" else 1
         data = RayData(cfg, job, datasets or {}, runtime.data_parallel_rank, runtime.data_parallel_size, batch)
@@ -244,31 +259,6 @@ class RayData:
         batch = plan.eval_per_worker
         prefetch = self.cfg.data.prefetch_batches
         return EvalBatches(self._iterator(split), decode, shapes, self.rank, self.world, batch, prefetch)
-
-
-@dataclass
-class EvalBatches:
-    """Re-iterable eval batches: this worker's rows (``id % world == rank``) in batches of ``batch``."""
-
-    iterator: Any
-    decode: BatchDecoder
-    shapes: dict[str, list[int]]
-    rank: int
-    world: int
-    batch: int
-    prefetch: int
-
-    def __iter__(self) -> Iterator[Batch]:
-        pending: pa.Table | None = None
-        for table in self.iterator.iter_batches(batch_format="pyarrow", prefetch_batches=self.prefetch):
-            ids = table.column("id").to_numpy()
-            mine = table.filter(pa.array(ids % self.world == self.rank))
-            pending = mine if pending is None else pa.concat_tables([pending, mine])
-            while pending.num_rows >= self.batch:
-                yield self.decode(to_columns(pending.slice(0, self.batch), self.shapes), 0)
-                pending = pending.slice(self.batch)
-        if pending is not None and pending.num_rows:
-            yield self.decode(to_columns(pending, self.shapes), 0)
 
 
 def collate(decode: BatchDecoder, shapes: dict[str, list[int]], epoch: int) -> Any:

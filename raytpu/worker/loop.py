@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from raytpu.config import Config, dump_yaml, to_dict
+from raytpu.corpus.feeder import feeder_name
 from raytpu.hooks import Callback, load_callbacks
 from raytpu.job import (
     Batch,
@@ -128,7 +129,8 @@ class Trainer:
     def _build(self) -> None:
         cfg, rt = self.cfg, self.runtime
         self._seed()
-        self.data = make_worker_data(cfg, self.job, rt, self.data_root, self.datasets)
+        feeder = feeder_name(self.command_id, cfg.run.name)
+        self.data = make_worker_data(cfg, self.job, rt, self.data_root, self.datasets, feeder=feeder)
         self.sample = self.data.sample()
         self.steps_per_epoch = self.data.batches_per_epoch() // cfg.loop.grad_accum
         self.total_steps = cfg.loop.max_steps or cfg.loop.epochs * self.steps_per_epoch

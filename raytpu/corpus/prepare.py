@@ -1,0 +1,116 @@
+"""A run on a user's corpus (``data.train_files``), on the driver: what ``raytpu train`` and
+``raytpu test`` check and make before the workers start, and what the workers are given.
+
+Before joining Ray (:func:`prepare_text`): the files found, the first documents of each side
+read (a missing text column or a file that is not what it says is one error line, within
+seconds), the tokenizer, and on the torch path the tokenized splits. After joining
+(:func:`text_sizes`): the corpus index, counted by Ray Data tasks. When the run starts
+(:func:`text_datasets`): the feeder that streams the training blocks, and the validation blocks
+read once into the object store.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from raytpu.config import Config
+from raytpu.corpus.index import CorpusIndex, Sources, corpus_index, find_sources, sample_texts
+from raytpu.corpus.sources import documents, fingerprint
+from raytpu.errors import ConfigError
+from raytpu.job import Job, ReadsText
+from raytpu.storage.filesystems import is_remote
+
+
+def is_text_run(cfg: Config) -> bool:
+    return bool(cfg.data.train_files)
+
+
+def streamed(cfg: Config) -> bool:
+    """A corpus streamed by Ray Data (``data.loader: ray``), not tokenized into files (torch)."""
+    return is_text_run(cfg) and cfg.data.loader == "ray"
+
+
+def text_root(cfg: Config, job: Job) -> Path:
+    """The folder that keeps what raytpu makes of the corpus: the tokenizer it trained, the index
+    or the token files (``data.path``; ``data/<job>`` when not given)."""
+    if not isinstance(job, ReadsText):
+        raise ConfigError(f"job {job.name!r} reads no text: data.train_files is for jobs that do (causal_lm)")
+    if is_remote(cfg.data.path):
+        raise ConfigError(
+            f"data.path={cfg.data.path!r}: with data.train_files, data.path is the local folder where raytpu keeps "
+            "the tokenizer and the corpus index (the corpus itself may be in a bucket)"
+        )
+    return Path(cfg.data.path or Path("data") / job.name).resolve()
+
+
+def encoder_of(cfg: Config, job: Job, root: Path, sources: Sources) -> Any:
+    assert isinstance(job, ReadsText)
+    texts = sample_texts(sources.train, cfg.data.text_column)
+    try:
+        return job.text_encoder(cfg, root, texts, fingerprint(sources.train, cfg.data.text_column))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_readable(sources: Sources, column: str) -> None:
+    """The first documents of the first training and validation files, read now: a wrong file or
+    column is found before anything starts."""
+    for unit in {sources.train[0], sources.valid[0]} if sources.valid else {sources.train[0]}:
+        next(iter(documents(unit, column)), None)
+
+
+def prepare_text(cfg: Config, job: Job) -> Path:
+    """Everything before joining Ray: the folder raytpu keeps the corpus's derived files in."""
+    root = text_root(cfg, job)
+    sources = find_sources(cfg)
+    check_readable(sources, cfg.data.text_column)
+    encoder = encoder_of(cfg, job, root, sources)
+    if not streamed(cfg):
+        from raytpu.corpus.tokens import tokenize_corpus
+
+        tokenize_corpus(root, sources, encoder, cfg.data.text_column)
+    return root
+
+
+def text_index(cfg: Config, job: Job, root: Path) -> tuple[CorpusIndex, Any]:
+    """The corpus index (counted by Ray Data tasks when the files or options changed) and the encoder."""
+    assert isinstance(job, ReadsText)
+    sources = find_sources(cfg)
+    encoder = encoder_of(cfg, job, root, sources)
+    return corpus_index(root, sources, encoder, job.block_length(cfg), cfg.data.text_column), encoder
+
+
+def text_sizes(cfg: Config, job: Job, root: Path, mode: str) -> dict[str, int]:
+    """Blocks in each split a streamed run reads (after joining Ray): the training blocks, and the
+    validation blocks evaluated (``data.max_eval_samples`` at most)."""
+    index, _ = text_index(cfg, job, root)
+    limit = cfg.data.max_eval_samples
+    valid = min(index.valid_blocks, limit) if limit else index.valid_blocks
+    if not index.train_blocks:
+        raise ConfigError(f"data.train_files hold fewer tokens than one block of {job.block_length(cfg)} tokens")
+    return {"train": index.train_blocks, "valid": valid} if mode == "train" else {"test": valid}
+
+
+def text_datasets(cfg: Config, job: Job, root: Path, mode: str, feeder: str) -> dict[str, Any]:
+    """``TorchTrainer`` arguments of a streamed corpus: the validation blocks (read whole by every
+    worker) and, to train, the feeder named ``feeder`` started on the training units."""
+    from ray.train import DataConfig
+
+    from raytpu.corpus.feeder import StreamSpec, start_feeder
+    from raytpu.corpus.order import EpochOrder
+    from raytpu.corpus.pipeline import numbered_blocks
+
+    assert isinstance(job, ReadsText)
+    index, encoder = text_index(cfg, job, root)
+    length, column = job.block_length(cfg), cfg.data.text_column
+    train, valid = index.sources.packings(encoder, length, column)
+    counts = [count.blocks for count in index.valid_counts]
+    blocks = numbered_blocks(index.sources.valid, counts, valid, cfg.data.max_eval_samples)
+    split = "valid" if mode == "train" else "test"
+    if mode == "train":
+        train_counts = tuple(count.blocks for count in index.train_counts)
+        data = cfg.data
+        order = EpochOrder.make(train_counts, data.global_batch_size, data.shuffle_buffer, cfg.run.seed, data.shuffle)
+        start_feeder(feeder, StreamSpec(index.sources.train, order, train))
+    return {"datasets": {split: blocks}, "dataset_config": DataConfig(datasets_to_split=[])}

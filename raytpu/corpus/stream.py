@@ -1,0 +1,75 @@
+"""One worker's share of a streamed corpus (``data.loader: ray`` with ``data.train_files``): the
+``WorkerData`` the loop reads (``raytpu.worker.data``).
+
+Each step's blocks come from the run's feeder (``raytpu.corpus.feeder``), asked
+``data.prefetch_batches`` steps ahead; a resumed run asks for the step it resumes at, so nothing
+consumed before it is sent again. Eval sets are the driver's numbered blocks in the object store,
+read whole by every worker, each keeping the blocks ``id % workers == rank``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from raytpu.config import Config
+from raytpu.config.batching import BatchPlan
+from raytpu.job import Batch
+from raytpu.storage.tables import EvalBatches
+
+
+class CorpusStream:
+    """:class:`~raytpu.worker.data.WorkerData` over the feeder named ``feeder``."""
+
+    def __init__(self, cfg: Config, feeder: str, length: int, rank: int, world: int, iterators: dict[str, Any]):
+        from raytpu.corpus.feeder import find_feeder
+
+        self.cfg, self.length, self.rank, self.world = cfg, length, rank, world
+        self.iterators = iterators
+        self.feeder = find_feeder(feeder) if feeder else None  # a test reads no training blocks
+        self.accum = cfg.loop.grad_accum
+        self.steps = int(self._get(self.feeder.describe.remote())["steps"]) if feeder else 0
+
+    @staticmethod
+    def _get(ref: Any) -> Any:
+        import ray
+
+        return ray.get(ref)
+
+    def batches_per_epoch(self) -> int:
+        return self.steps * self.accum
+
+    def sample(self) -> Batch:
+        return {"input_ids": torch.zeros(self.length, dtype=torch.int64)}
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
+        """The micro-batches of ``epoch`` from step ``skip / accum`` on."""
+        first = skip // self.accum
+        asked: deque[Any] = deque()
+        ahead = max(self.cfg.data.prefetch_batches, 1)
+        following = first
+        for _ in range(first, self.steps):
+            while following < self.steps and len(asked) < ahead:
+                asked.append(self.feeder.take.remote(epoch, following, self.rank, self.world, self.accum))
+                following += 1
+            rows = np.asarray(self._get(asked.popleft()))
+            for micro in np.split(rows, self.accum):
+                yield {"input_ids": torch.from_numpy(micro.astype(np.int64))}
+
+    def eval_batches(self, split: str) -> EvalBatches:
+        if split not in self.iterators:
+            raise RuntimeError(f"the run has no Ray Dataset for split {split!r}")
+        length = self.length
+
+        def decode(columns: dict[str, Any], epoch: int) -> Batch:
+            return {"input_ids": torch.from_numpy(np.asarray(columns["input_ids"], dtype=np.int64))}
+
+        batch = BatchPlan.of(self.cfg).eval_per_worker
+        prefetch = self.cfg.data.prefetch_batches
+        return EvalBatches(
+            self.iterators[split], decode, {"input_ids": [length]}, self.rank, self.world, batch, prefetch
+        )
