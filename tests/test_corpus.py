@@ -20,19 +20,9 @@ from raytpu.corpus.packing import Packing, count_unit, held_out, unit_blocks
 from raytpu.corpus.sources import CorpusError, documents, find_units
 from raytpu.corpus.tokens import read_split, read_summary, tokenize_corpus
 from tests.conftest import ROOT
+from tests.corpus_files import WordEncoder
 
 SMALL = str(ROOT / "jobs" / "causal_lm" / "small.yaml")
-
-
-class WordEncoder:
-    """A tokenizer of whitespace words (ids from a hash): what the corpus path needs of one."""
-
-    eos_id = 0
-    vocab_size = 1000
-    fingerprint = "words"
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [[1 + sum(map(ord, word)) % 999 for word in text.split()] for text in texts]
 
 
 def docs(count: int, start: int = 0) -> list[str]:

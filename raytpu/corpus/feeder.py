@@ -62,7 +62,10 @@ class Feeder:
 
     # ------------------------------------------------------------ asked by the workers
     def describe(self) -> dict[str, int]:
-        return {"blocks": self.order.blocks, "steps": self.order.steps, "window": self.order.window}
+        """The epoch's blocks and steps, the window's blocks, and the windows held now."""
+        with self.changed:
+            held = len(self.windows)
+        return {"blocks": self.order.blocks, "steps": self.order.steps, "window": self.order.window, "held": held}
 
     def take(self, epoch: int, step: int, rank: int, workers: int, accum: int) -> np.ndarray:
         """Rank ``rank``'s blocks of step ``step`` of ``epoch``: ``(accum x micro, length)``."""
@@ -117,11 +120,10 @@ class Feeder:
                     close()  # the last epoch's pipeline: its tail is never read
                 blocks, pending = self._reading(*key), pending[:0]
             window, pending = self._fill(blocks, pending, self.order.window_size(key[1]))
-            shuffled = window[self.order.permutation(*key)]
             with self.changed:
                 if self.restart or self.cursor != key:
                     continue  # asked elsewhere while reading: this window is not needed
-                self.windows[key] = shuffled
+                self.windows[key] = window  # as read: a step's rows are its shuffled places (EpochOrder.rows)
                 for old in sorted(self.windows)[:-KEPT]:
                     del self.windows[old]
                 following = (key[0], key[1] + 1) if key[1] + 1 < self.order.windows else (key[0] + 1, 0)

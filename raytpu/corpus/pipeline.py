@@ -67,10 +67,21 @@ def count_rows(batch: dict[str, Any], packing: Packing) -> dict[str, np.ndarray]
     return {name: np.array([getattr(count, name) for count in counts]) for name in ("documents", "tokens", "blocks")}
 
 
+def quiet_ray_data() -> None:
+    """Ray Data's per-dataset lines (progress bars off, execution started and finished, a
+    deprecation Ray Train itself triggers) kept off the run's console; warnings of substance stay."""
+    import logging
+    import warnings
+
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*exclude_resources.*")
+
+
 def dataset_of(rows: list[dict[str, Any]], function: Any, packing: Packing) -> Any:
     """A Ray Dataset of one task a row, in the rows' order."""
     import ray.data
 
+    quiet_ray_data()
     dataset = ray.data.from_items(rows, override_num_blocks=max(len(rows), 1))
     dataset = dataset.map_batches(function, fn_kwargs={"packing": packing}, batch_size=1, batch_format="numpy")
     dataset.context.execution_options.preserve_order = True

@@ -125,6 +125,7 @@ def quiet_reports() -> None:
 
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
     logging.getLogger(util.__name__).setLevel(logging.CRITICAL)
+    logging.getLogger("ray.data").setLevel(logging.ERROR)  # an eval set's "execution finished" lines
 
 
 # ------------------------------------------------------------------ local processes
