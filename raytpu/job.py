@@ -173,9 +173,15 @@ class ReadsText(Protocol):
     """Trains on a text corpus of the user's (``data.train_files``; ``raytpu.corpus``): its
     documents tokenized by the job's tokenizer, joined by its end-of-text token and cut into blocks
     of :meth:`block_length` tokens; every batch is ``{"input_ids": (n, length) int64}``, on both
-    ingest paths."""
+    ingest paths. With ``data.loader: ray`` such a job always streams text (its own,
+    :meth:`default_text`, when the user names none)."""
 
     def block_length(self, cfg: Config) -> int: ...
+
+    def default_text(self, cfg: Config) -> tuple[list[str], list[str]]:
+        """The training and validation files a run reads when ``data.train_files`` names none (the
+        job's own made-up corpus): ``data.loader: ray`` streams text whichever it is."""
+        ...
 
     def text_encoder(self, cfg: Config, data_root: Path, texts: Callable[[], Iterator[str]], source: str) -> Any:
         """The tokenizer as a ``raytpu.corpus.packing.TextEncoder`` (picklable): the job's own, or

@@ -189,3 +189,65 @@ def test_block_counts_per_unit_match_what_the_packer_yields(corpus_dir: Path):
     for unit in find_units([str(corpus_dir)], "x"):
         blocks = sum(len(b) for b in unit_blocks(unit, packing))
         assert count_unit(unit, packing).blocks == blocks
+
+
+# ------------------------------------------------------------------ runs on the torch path
+def lm_run(tmp_path: Path, *words: str) -> list[str]:
+    """A tiny causal LM for a few steps in one local process."""
+    return ["train", SMALL, "--local", "scaling.num_workers=1", "data.global_batch_size=4", "loop.max_steps=4",
+            "job.seq_len=32", "job.sample_tokens=0", "logging.progress_bar=false", "--eval_steps", "4",
+            "--output_dir", str(tmp_path / "runs"), *words]  # fmt: skip
+
+
+def test_fine_tuning_a_saved_model_uses_its_own_tokenizer_and_exports(tmp_path: Path, capsys):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from raytpu import cli
+    from raytpu.jobs.causal_lm import corpus
+
+    texts = docs(200)
+    tokenizer = corpus.train_tokenizer(texts, 300)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+    model_dir = tmp_path / "model"
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    train, valid = write_jsonl(tmp_path / "train.jsonl", texts), write_jsonl(tmp_path / "valid.jsonl", docs(40, 500))
+    prepared = tmp_path / "prepared"
+    words = ["--model_name_or_path", str(model_dir), "--train_file", str(train), "--validation_file", str(valid)]
+    assert cli.main(lm_run(tmp_path, *words, f"data.path={prepared}")) == 0
+    assert not (prepared / "tokenizer.json").exists()  # the model's own tokenizer, not one trained here
+    ids = tokenizer(texts[0], add_special_tokens=False)["input_ids"]
+    assert read_split(prepared, "train")[: len(ids)].tolist() == ids
+    out = tmp_path / "exported"
+    checkpoint = tmp_path / "runs" / "causal_lm-small" / "checkpoint_00000004"
+    export = ["export", SMALL, *words, "job.seq_len=32", f"data.path={prepared}", "--checkpoint", str(checkpoint)]
+    assert cli.main([*export, "--out", str(out)]) == 0
+    assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == len(tokenizer)
+
+
+@pytest.mark.parametrize(
+    "make, words, message",
+    [
+        (lambda d: write_jsonl(d / "t.jsonl", docs(50), column="body"), [],
+         r"t.jsonl: no text column 'text' \(it has \['body', 'n'\]\); set data.text_column"),
+        (lambda d: (d / "t.jsonl").write_text("plain text, not json\n"), [], "t.jsonl: not JSON lines"),
+        (lambda d: write_jsonl(d / "t.jsonl", docs(3)), ["--validation_file", "{d}/t.jsonl"],
+         r"the train split of .* has 1 samples, fewer than one step of data.global_batch_size=4"),
+        (lambda d: write_jsonl(d / "t.jsonl", docs(50)), ["--validation_split_percentage", "0"],
+         "no validation text: name data.validation_files"),
+    ],
+)  # fmt: skip
+def test_bad_corpora_are_one_error_line_within_seconds(tmp_path: Path, capsys, make, words, message):
+    import re
+    import time
+
+    from raytpu import cli
+
+    make(tmp_path)
+    started = time.monotonic()
+    words = [word.format(d=tmp_path) for word in words]
+    code = cli.main(lm_run(tmp_path, "--train_file", str(tmp_path / "t.jsonl"), f"data.path={tmp_path / 'p'}", *words))
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("raytpu: error:")]
+    assert code == 2 and len(errors) == 1 and re.search(message, errors[0]), errors
+    assert time.monotonic() - started < 30

@@ -6,6 +6,10 @@ worker, training at every step exactly the blocks the order says (``raytpu.corpu
 from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +19,7 @@ from raytpu import cli
 from raytpu.corpus.feeder import StreamSpec, start_feeder, stop_feeders
 from raytpu.corpus.index import Sources, corpus_index, read_index
 from raytpu.corpus.order import EpochOrder
-from raytpu.corpus.packing import Packing, count_unit
+from raytpu.corpus.packing import Packing, TokenizerEncoder, count_unit
 from raytpu.corpus.sources import find_units
 from tests.conftest import ROOT
 from tests.corpus_files import WordEncoder, expected_steps, row_hash, stdlib_documents, write_shards
@@ -115,7 +119,7 @@ def test_every_step_trains_the_blocks_of_the_order_through_a_restart_and_a_resiz
     out, seen = streamed
     index = read_index(out / "prepared")
     units = list(index.sources.train)
-    encoder = corpus.FastEncoder(corpus.load_tokenizer(out / "prepared"))
+    encoder = TokenizerEncoder.of(corpus.load_tokenizer(out / "prepared"))
     packing = index.sources.packings(encoder, 64, "text")[0]
     order = EpochOrder.make(tuple(c.blocks for c in index.train_counts), 8, 16, seed=0, shuffle=True)
     assert 6 <= order.steps < 20, order.steps  # the run crosses an epoch's end
@@ -125,3 +129,28 @@ def test_every_step_trains_the_blocks_of_the_order_through_a_restart_and_a_resiz
     assert [trained[step] for step in range(1, 21)] == expected[:20]
     summary = json.loads((out / "runs" / "lm" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["step"] == 20
+
+
+# ------------------------------------------------------------------ a multi-node cluster, a corpus in S3
+def test_a_corpus_in_s3_trains_at_256_and_512_tokens_on_three_nodes(stores, tmp_path):
+    """The causal LM streamed from JSON-lines and parquet shards in S3 on a head and two worker nodes
+    (tests/corpus_cluster.py), at seq_len 256 and 512: each run ends at its last step with a finite
+    validation loss, from an index of the bucket's files, with half as many blocks at 512."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.corpus_cluster", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for length in ("256", "512"):
+        run = report[length]
+        assert run["code"] == 0 and run["step"] == 4, report
+        assert math.isfinite(run["metrics"]["valid/loss"]), report
+        assert run["units"] and all(root.startswith("s3://") for root in run["units"]), report
+    assert abs(report["256"]["blocks"] - 2 * report["512"]["blocks"]) <= len(report["512"]["units"]), report

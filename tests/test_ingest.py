@@ -20,27 +20,11 @@ MSHNET = ("mshnet", "jobs/mshnet/small.yaml", {"n": 20, "size": 48, "seed": 0})
 CDEIT = ("cdeit", "jobs/cdeit/small.yaml", {"n_train": 6, "n_valid": 3, "n_test": 3, "size": 32, "seed": 0})
 
 
-CAUSAL_LM = ("causal_lm", "jobs/causal_lm/small.yaml", {"vocab_size": 300})
-
-
-def small_corpus(folder: Path) -> Path:
-    """Six text files of ~4 KB cut from one standard-library file (the default corpus is 2.8 MB)."""
-    import argparse
-
-    text = Path(argparse.__file__).read_text()
-    folder.mkdir(parents=True)
-    for index in range(6):
-        (folder / f"part{index}.py").write_text(text[index * 4000 : (index + 1) * 4000])
-    return folder
-
-
-@pytest.fixture(scope="module", params=[MSHNET, CDEIT, CAUSAL_LM], ids=["mshnet", "cdeit", "causal_lm"])
+@pytest.fixture(scope="module", params=[MSHNET, CDEIT], ids=["mshnet", "cdeit"])
 def native(request, tmp_path_factory):
     name, config, options = request.param
     job = load_job(name)
     src = tmp_path_factory.mktemp(name) / "native"
-    if name == "causal_lm":
-        options = {**options, "corpus_dir": str(small_corpus(src.parent / "corpus"))}
     job.synthesize(src, **options)
     return job, config, src
 
@@ -58,8 +42,6 @@ def test_prepare_writes_one_table_per_split_with_ids_and_stats(native, tmp_path)
     schema = manifest["tables"]["train"]["schema"]
     if job.name == "mshnet":
         assert schema["image"] == schema["mask"] == "binary"
-    elif job.name == "causal_lm":
-        assert manifest["tables"]["train"]["shapes"]["input_ids"] == [128]
     else:
         assert schema["xs"] == "fixed_size_list<item: float>[1024]"
         assert manifest["tables"]["train"]["shapes"]["ys"] == [208, 1]

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from raytpu.config import Config
 from raytpu.config.args import Flag, parse_value
-from raytpu.job import Batch, BatchDecoder, Columns, Job, JobConfig, StepContext
+from raytpu.corpus.packing import TokenizerEncoder
+from raytpu.job import Batch, Job, JobConfig, StepContext
 from raytpu.jobs.causal_lm import corpus
 from raytpu.jobs.causal_lm.fused_loss import PLAIN_HEADS, chunk_length, fuse_loss
 from raytpu.worker.flops import matmul_parameters, transformer_flops_per_token
@@ -175,8 +175,6 @@ class CausalLMJob(Job):
         "--tokenizer_name": "job.tokenizer",  # run_clm.py's: a save_pretrained folder
     }
     requires = ("transformers", "tokenizers")
-    stats_files = (*corpus.TOKENIZER_FILES, corpus.CORPUS_FILE)
-    rows_per_file = 4096
 
     # ----------------------------------------------------------------- build
     def check_config(self, cfg: Config) -> None:
@@ -223,14 +221,22 @@ class CausalLMJob(Job):
     def block_length(self, cfg: Config) -> int:
         return cfg.job.seq_len
 
+    def default_text(self, cfg: Config) -> tuple[list[str], list[str]]:
+        """The made-up corpus as files (``data.loader=ray`` without ``data.train_files``): the pinned
+        standard-library files of each split, or ``job.corpus`` with a held-out share."""
+        if cfg.job.corpus:
+            return [cfg.job.corpus], []
+        files = corpus.stdlib_files()
+        return [str(path) for path in files["train"]], [str(path) for path in files["valid"]]
+
     def text_encoder(
         self, cfg: Config, data_root: Path, texts: Callable[[], Iterator[str]], source: str
-    ) -> corpus.FastEncoder:
+    ) -> TokenizerEncoder:
         """The tokenizer of ``job.tokenizer``, of the pretrained model, or trained on ``texts``
         into ``data_root``; refused when the model cannot embed every id it gives."""
         job = cfg.job
         folder = corpus.tokenizer_folder(job.tokenizer, job.model_name_or_path, data_root)
-        encoder = corpus.FastEncoder(corpus.corpus_tokenizer(folder, data_root, texts, source, job.vocab_size))
+        encoder = TokenizerEncoder.of(corpus.corpus_tokenizer(folder, data_root, texts, source, job.vocab_size))
         embeddings = architecture(job).vocab_size
         if encoder.vocab_size > embeddings:
             fix = (
@@ -293,33 +299,6 @@ class CausalLMJob(Job):
         job = cfg.job
         return {"vocab_size": job.vocab_size, "corpus_dir": job.corpus, "tokenizer": job.tokenizer}
 
-    # ---------------------------------------------------- tables (data.loader=ray)
-    def table_names(self, src: Path) -> list[str]:
-        """One table per split made by ``raytpu data synth`` (train, valid, test)."""
-        return [split for split in corpus.SPLITS if (Path(src) / f"{split}.npy").is_file()]
-
-    def table_records(self, src: Path, table: str, rows: int) -> Iterator[Columns]:
-        """The split's token stream as rows of :data:`TABLE_ROW` tokens (the blocks any ``seq_len``
-        dividing it is cut from); ``id`` numbers the rows."""
-        tokens = corpus.read_tokens(src, table)
-        count = len(tokens) // TABLE_ROW
-        for start in range(0, count, rows):
-            stop = min(start + rows, count)
-            chunk = np.asarray(tokens[start * TABLE_ROW : stop * TABLE_ROW])  # uint16 for vocabularies up to 65,536
-            yield {"id": np.arange(start, stop, dtype=np.int64), "input_ids": chunk.reshape(-1, TABLE_ROW)}
-
-    def batch_decoder(self, cfg: Config, split: str, stats_root: Path) -> BatchDecoder:
-        if cfg.job.seq_len != TABLE_ROW:
-            raise ValueError(
-                f"prepared tables hold blocks of {TABLE_ROW} tokens but job.seq_len is {cfg.job.seq_len}; "
-                f"set job.seq_len={TABLE_ROW} for data.loader=ray (or use data.loader=torch)"
-            )
-
-        def decode(columns: Columns, epoch: int) -> Batch:
-            return {"input_ids": torch.from_numpy(np.asarray(columns["input_ids"], dtype=np.int64))}
-
-        return decode
-
     # ------------------------------------------------------------------ step
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
         ids = batch["input_ids"]
@@ -381,10 +360,6 @@ def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query.to(value.dtype), key.to(value.dtype), value, *args, **kwargs)
-
-
-#: tokens per row of a prepared table (data.loader=ray): the small config's seq_len
-TABLE_ROW = 128
 
 
 @torch.no_grad()

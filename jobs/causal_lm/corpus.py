@@ -136,37 +136,6 @@ def corpus_tokenizer(folder: Path, data_root: Path, texts: Callable[[], Iterator
     return tokenizer
 
 
-class FastEncoder:
-    """A Transformers fast tokenizer as the corpus path uses it (``raytpu.corpus.packing.TextEncoder``):
-    its ``tokenizers`` core travels as JSON and is rebuilt once per process."""
-
-    def __init__(self, tokenizer) -> None:  # a PreTrainedTokenizerFast
-        if tokenizer.eos_token_id is None:
-            raise ValueError(
-                "the tokenizer has no end-of-text token to join documents with; give one with an eos_token"
-            )
-        self.json = tokenizer.backend_tokenizer.to_str()
-        self.eos_id = int(tokenizer.eos_token_id)
-        self.vocab_size = len(tokenizer)
-        self.fingerprint = hashlib.sha256(self.json.encode()).hexdigest()[:16]
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        encodings = backend(self.json, self.fingerprint).encode_batch(texts, add_special_tokens=False)
-        return [encoding.ids for encoding in encodings]
-
-
-#: tokenizers rebuilt in this process, by fingerprint
-BACKENDS: dict[str, object] = {}
-
-
-def backend(text: str, fingerprint: str):  # -> tokenizers.Tokenizer
-    if fingerprint not in BACKENDS:
-        from tokenizers import Tokenizer
-
-        BACKENDS[fingerprint] = Tokenizer.from_str(text)
-    return BACKENDS[fingerprint]
-
-
 def encode_split(tokenizer, texts: Sequence[str]) -> np.ndarray:
     """Every document's ids followed by EOS, concatenated (the smallest dtype that holds the vocabulary)."""
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.int32

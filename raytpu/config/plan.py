@@ -55,6 +55,7 @@ class Facts:
     main_metric_mode: str = "min"
     data_root: str = ""
     split_sizes: tuple[tuple[str, int], ...] = ()  # samples in each split the driver checked
+    text: bool = False  # text streamed by Ray Data: the training blocks come from its feeder (raytpu.corpus)
     name: str = ""  # the run's folder under run.storage_path ("": run.name; a test's: <run>/test-<time>)
     command: str = ""  # the id of the command that runs it (its part of the goodput record)
     started: float = 0.0  # when that command started (seconds since the epoch)
@@ -196,7 +197,8 @@ def make_plan(cfg: Config, facts: Facts) -> Plan:
     if scaling.precision == "auto" and kind.accelerator:
         notes.append(f"scaling.precision {precision_reason(placement.runtime, 'auto', precision)}")
     notes += cpu_note(cfg, resolved) + bucket_note(resolved) + elastic_note(resolved, batches)
-    return Plan(resolved, cfg, facts, placement, batch, datasets_of(resolved, facts.mode), tuple(notes))
+    datasets = datasets_of(resolved, facts.mode, facts.text)
+    return Plan(resolved, cfg, facts, placement, batch, datasets, tuple(notes))
 
 
 def batch_plans(cfg: Config) -> dict[int, BatchPlan]:
@@ -225,11 +227,12 @@ def worker_range(cfg: Config) -> tuple[int, int] | None:
     return (low, high) if 0 < low < high else None
 
 
-def datasets_of(cfg: Config, mode: str) -> tuple[str, ...]:
-    """The Ray Datasets a run's ``TorchTrainer`` is given: ``data.loader=ray``'s splits."""
+def datasets_of(cfg: Config, mode: str, text: bool = False) -> tuple[str, ...]:
+    """The Ray Datasets a run's ``TorchTrainer`` is given: ``data.loader=ray``'s splits (of streamed
+    ``text``, the eval split alone: the training blocks come from its feeder, ``raytpu.corpus``)."""
     if cfg.data.loader != "ray" or mode == "launch":
         return ()
-    if cfg.data.train_files:  # a streamed corpus: the training blocks come from its feeder (raytpu.corpus)
+    if text:
         return ("valid",) if mode == "train" else ("test",)
     return ("train", "valid") if mode == "train" else ("test",)
 

@@ -81,16 +81,19 @@ class Feeder:
             return self.windows[key][places]
 
     def _ask(self, key: tuple[int, int]) -> None:
-        """Note ``key`` as asked for; start reading again there when the reader has passed it or is far from it."""
+        """Note ``key`` as asked for; start reading again there when the reader has passed it or is
+        far from it. The reader is woken only when something changed (every waiting request waking
+        the others would spin)."""
+        changed = key > self.furthest
         self.furthest = max(self.furthest, key)
-        if key in self.windows:
-            return
-        distance = self._distance(self.cursor, key)
-        if distance < 0 or distance > AHEAD + 1:
-            self.cursor, self.restart = key, True
-            self.windows.clear()
-            self.furthest = key
-        self.changed.notify_all()
+        if key not in self.windows:
+            distance = self._distance(self.cursor, key)
+            if distance < 0 or distance > AHEAD + 1:
+                self.cursor, self.restart = key, True
+                self.windows.clear()
+                self.furthest, changed = key, True
+        if changed:
+            self.changed.notify_all()
 
     def _distance(self, start: tuple[int, int], end: tuple[int, int]) -> int:
         """Windows from ``start`` to ``end`` (negative: ``end`` is behind)."""

@@ -9,6 +9,7 @@ when a file, the tokenizer or a packing option changed (its fingerprint).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -43,10 +44,14 @@ class Sources:
         return Packing(encoder, length, column), Packing(encoder, length, column)
 
 
-def find_sources(cfg: Config) -> Sources:
+def find_sources(cfg: Config, job: Any = None) -> Sources:
     """``data.train_files`` and ``data.validation_files`` (or a ``DatasetDict``'s validation split,
-    or ``data.validation_split_percentage`` of the training documents)."""
+    or ``data.validation_split_percentage`` of the training documents); with no training files,
+    the job's own text (``ReadsText.default_text``)."""
     data = cfg.data
+    if not data.train_files and job is not None:
+        train_files, validation_files = job.default_text(cfg)
+        data = dataclasses.replace(data, train_files=train_files, validation_files=validation_files)
     train = find_units(data.train_files, "data.train_files")
     if data.validation_files:
         return Sources(tuple(train), tuple(find_units(data.validation_files, "data.validation_files")), 0.0)

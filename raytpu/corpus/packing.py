@@ -16,7 +16,7 @@ import hashlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -33,6 +33,39 @@ class TextEncoder(Protocol):
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Each text's token ids, without special tokens."""
         ...
+
+
+class TokenizerEncoder:
+    """A Hugging Face fast tokenizer as the corpus path uses it: its ``tokenizers`` core travels as
+    JSON (what ``tokenizer.json`` holds) and is rebuilt once per process. It lives here, not in a
+    job, so that a tokenizing task imports ``tokenizers`` alone, never the job's model code."""
+
+    def __init__(self, tokenizer_json: str, eos_id: int, vocab_size: int) -> None:
+        self.json, self.eos_id, self.vocab_size = tokenizer_json, int(eos_id), int(vocab_size)
+        self.fingerprint = hashlib.sha256(tokenizer_json.encode()).hexdigest()[:16]
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> TokenizerEncoder:
+        """From a Transformers ``PreTrainedTokenizerFast``; one without an end-of-text token is refused."""
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no end-of-text token to join documents with; give it an eos_token")
+        return cls(tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id, len(tokenizer))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        encodings = backend(self.json, self.fingerprint).encode_batch(texts, add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
+
+
+#: tokenizers rebuilt in this process, by fingerprint
+BACKENDS: dict[str, Any] = {}
+
+
+def backend(text: str, fingerprint: str) -> Any:  # a tokenizers.Tokenizer
+    if fingerprint not in BACKENDS:
+        from tokenizers import Tokenizer
+
+        BACKENDS[fingerprint] = Tokenizer.from_str(text)
+    return BACKENDS[fingerprint]
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,14 @@ from raytpu.job import Job, ReadsText
 from raytpu.storage.filesystems import is_remote
 
 
-def is_text_run(cfg: Config) -> bool:
-    return bool(cfg.data.train_files)
+def is_text_run(cfg: Config, job: Job) -> bool:
+    """A run on text: files named in ``data.train_files``, or a job that reads text streamed by Ray Data."""
+    return bool(cfg.data.train_files) or streamed(cfg, job)
 
 
-def streamed(cfg: Config) -> bool:
-    """A corpus streamed by Ray Data (``data.loader: ray``), not tokenized into files (torch)."""
-    return is_text_run(cfg) and cfg.data.loader == "ray"
+def streamed(cfg: Config, job: Job) -> bool:
+    """Text streamed by Ray Data (``data.loader: ray``), not tokenized into files (torch)."""
+    return cfg.data.loader == "ray" and isinstance(job, ReadsText)
 
 
 def text_root(cfg: Config, job: Job) -> Path:
@@ -63,10 +64,10 @@ def check_readable(sources: Sources, column: str) -> None:
 def prepare_text(cfg: Config, job: Job) -> Path:
     """Everything before joining Ray: the folder raytpu keeps the corpus's derived files in."""
     root = text_root(cfg, job)
-    sources = find_sources(cfg)
+    sources = find_sources(cfg, job)
     check_readable(sources, cfg.data.text_column)
     encoder = encoder_of(cfg, job, root, sources)
-    if not streamed(cfg):
+    if not streamed(cfg, job):
         from raytpu.corpus.tokens import tokenize_corpus
 
         tokenize_corpus(root, sources, encoder, cfg.data.text_column)
@@ -76,7 +77,7 @@ def prepare_text(cfg: Config, job: Job) -> Path:
 def text_index(cfg: Config, job: Job, root: Path) -> tuple[CorpusIndex, Any]:
     """The corpus index (counted by Ray Data tasks when the files or options changed) and the encoder."""
     assert isinstance(job, ReadsText)
-    sources = find_sources(cfg)
+    sources = find_sources(cfg, job)
     encoder = encoder_of(cfg, job, root, sources)
     return corpus_index(root, sources, encoder, job.block_length(cfg), cfg.data.text_column), encoder
 

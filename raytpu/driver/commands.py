@@ -144,7 +144,8 @@ def prepare(
         connect(address, quiet=mode == "test", verbose=cfg.logging.verbose)
         offer, where = read_offer(this_machine=joined_here()), joined()
     marks["connected"] = time.time()
-    if job is not None and data_root is not None and streamed(cfg):  # counted by Ray Data tasks
+    text = job is not None and streamed(cfg, job)
+    if text:  # counted by Ray Data tasks
         sizes = text_sizes(cfg, job, data_root, mode)
     if script is not None:  # the launch-state numbers of a rerun come after the run folder's own
         names = checkpoint_names(RunFolder(join(cfg.run.storage_path, cfg.run.name)))
@@ -159,6 +160,7 @@ def prepare(
         main_metric_mode=job.main_metric_mode if job else "min",
         data_root=str(data_root or ""),
         split_sizes=tuple(sizes.items()),
+        text=text,
         name="" if mode != "test" else f"{cfg.run.name}/test-{stamp}",
         command=command.id,
         started=command.started,

@@ -64,9 +64,9 @@ def check_run(
         check_trackers(cfg)
     if job is None:
         return None, {}
-    if is_text_run(cfg):  # a corpus of the user's: a streamed one is counted once Ray is joined
+    if is_text_run(cfg, job):  # a corpus of text: a streamed one is counted once Ray is joined
         data_root = prepare_text(cfg, job)
-        return data_root, {} if streamed(cfg) else check_data(cfg, job, data_root, mode)
+        return data_root, {} if streamed(cfg, job) else check_data(cfg, job, data_root, mode)
     data_root = resolve_data_root(cfg, job, synthesize=None if mode == "train" else False)
     return data_root, check_data(cfg, job, data_root, mode)
 
@@ -206,7 +206,7 @@ def check_resume_from(cfg: Config) -> None:
 def check_data(cfg: Config, job: Job, data_root: Path, mode: str) -> dict[str, int]:
     """The splits a run reads: present and their first sample readable; their sizes (checked
     against the batch once the plan is resolved: ``raytpu.config.batching.BatchPlan.check_split``)."""
-    if cfg.data.loader == "ray" and not is_text_run(cfg):
+    if cfg.data.loader == "ray":
         return prepared_sizes(cfg, job, mode)
     if not data_root.is_dir():
         raise ConfigError(f"data path {str(data_root)!r} is not a folder; pass the data set's folder (--data-path)")

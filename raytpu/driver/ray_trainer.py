@@ -118,10 +118,10 @@ def ray_datasets(plan: Plan) -> dict[str, Any]:
     from ray.train import DataConfig
 
     from raytpu.corpus.feeder import feeder_name
-    from raytpu.corpus.prepare import streamed, text_datasets
+    from raytpu.corpus.prepare import text_datasets
     from raytpu.job import load_job
 
-    if streamed(cfg):
+    if plan.facts.text:
         feeder = feeder_name(plan.facts.command, cfg.run.name)
         return text_datasets(cfg, load_job(cfg.job.name), Path(plan.facts.data_root), plan.mode, feeder)
 

@@ -36,7 +36,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raytpu.errors import ConfigError
-from raytpu.job import ROWS_PER_FILE, Batch, BatchDecoder, Columns, Job, Tabular
+from raytpu.job import ROWS_PER_FILE, Batch, BatchDecoder, Columns, Job, ReadsText, Tabular
 from raytpu.storage.filesystems import filesystem
 
 MANIFEST = "_raytpu_prepared.json"
@@ -74,6 +74,11 @@ def prepare(job: Job, src: str | Path, out: str, rows_per_file: int = 0) -> dict
     mtimes) and options is left as it is (the manifest comes back with
     ``unchanged: true``); anything else is rewritten from scratch.
     """
+    if isinstance(job, ReadsText):
+        raise ConfigError(
+            f"job {job.name!r} reads text: data.loader=ray streams it from its files as they are "
+            "(data.train_files; docs/data.md), with nothing to prepare"
+        )
     if not isinstance(job, Tabular):
         raise ConfigError(f"job {job.name!r} has no parquet tables (the Tabular capability): use data.loader=torch")
     src = Path(src)

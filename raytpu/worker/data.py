@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from raytpu.config import Config
 from raytpu.config.batching import BatchPlan
-from raytpu.job import Batch, BatchDecoder, Job, table_for
+from raytpu.job import Batch, BatchDecoder, Job, ReadsText, table_for
 from raytpu.runtime.base import Runtime
 from raytpu.storage.tables import EvalBatches, open_prepared, to_columns
 
@@ -163,10 +163,10 @@ def make_worker_data(
     """The ingest path ``data.loader`` names: ``torch`` (map-style Datasets) or ``ray`` (Ray Data shards,
     ``datasets`` mapping a split to its ``DataIterator``; a text corpus's training blocks from the
     run's ``feeder``: ``raytpu.corpus``)."""
-    if cfg.data.loader == "ray" and cfg.data.train_files:
+    if cfg.data.loader == "ray" and isinstance(job, ReadsText):
         from raytpu.corpus.stream import CorpusStream
 
-        length = job.block_length(cfg)  # type: ignore[attr-defined]
+        length = job.block_length(cfg)
         rank, world = runtime.data_parallel_rank, runtime.data_parallel_size
         return CorpusStream(cfg, feeder if mode == "train" else "", length, rank, world, datasets or {})
     if cfg.data.loader == "ray":
