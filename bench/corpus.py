@@ -8,6 +8,8 @@ without a tokenizer of its own makes it. Both sides run the tokenizer single-thr
 (``TOKENIZERS_PARALLELISM=false``), so a process is a core.
 
 * ``single``: tokens/s of one process packing every file in order (``raytpu.corpus.packing``);
+* ``side_by_side``: tokens/s of one plain process per CPU, each packing a share of the files: what the
+  machine's cores give together (on a VM two vCPUs can be one physical core's two threads);
 * ``index``: tokens/s of the index pass (Ray Data tasks on every CPU of a local Ray instance);
 * ``ray``: tokens/s the feeder delivers to two consumers asking for every step of an epoch, as two
   workers do (read, tokenize, pack, shuffle, hand out), and per core against ``single``;
@@ -78,6 +80,22 @@ def single_process(units, packing: Packing) -> tuple[float, float]:
         for ids, _ in unit_ids(unit, packing):
             tokens += len(ids)
     return tokens / (time.perf_counter() - started), tokens / (time.process_time() - cpu)
+
+
+def tokens_of(units, packing: Packing) -> int:
+    return sum(len(ids) for unit in units for ids, _ in unit_ids(unit, packing))
+
+
+def side_by_side(units, packing: Packing, processes: int) -> float:
+    """Tokens/s of ``processes`` plain processes packing a share of the units each, side by side:
+    what this machine's cores give together without Ray (two vCPUs may be one core's two threads)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        pool.starmap(tokens_of, [([], packing)] * processes)  # the interpreters and imports, before timing
+        started = time.perf_counter()
+        tokens = sum(pool.starmap(tokens_of, [(units[index::processes], packing) for index in range(processes)]))
+        return tokens / (time.perf_counter() - started)
 
 
 def ray_workers_cpu() -> float:
@@ -177,6 +195,8 @@ def main() -> None:
         units = find_units(big, "data.train_files")
         single, single_cpu = single_process(units, packing)
         print(f"single_tokens_per_s={single:,.0f} (1 process; {single_cpu:,.0f} per CPU second)", flush=True)
+        together = side_by_side(units, packing, os.cpu_count() or 1)
+        print(f"side_by_side_tokens_per_s={together:,.0f} ({os.cpu_count()} plain processes, no Ray)", flush=True)
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}})
         cores = int(ray.cluster_resources()["CPU"])
         quarter = ray_path(find_units(small, "data.train_files"), packing, work / "index-small", args.global_batch)
@@ -187,7 +207,8 @@ def main() -> None:
               f"{whole['ray_cpu']:,.0f} per CPU second of Ray's workers)")  # fmt: skip
         print(f"driver_peak_mb {args.mb / 4:g}MB={quarter['peak_mb']:.0f} {args.mb:g}MB={whole['peak_mb']:.0f}")
         print(f"wall_per_core_ratio={whole['ray'] / cores / single:.3f} (every core of the machine counted)")
-        print(f"per_core_ratio={whole['ray_cpu'] / single_cpu:.3f} (per CPU second used; target >= 0.8)", flush=True)
+        print(f"per_core_ratio={whole['ray_cpu'] / single_cpu:.3f} (per CPU second used; target >= 0.8)")
+        print(f"side_by_side_ratio={whole['ray'] / together:.3f} (Ray against as many plain processes)", flush=True)
         if not args.skip_train:
             print(f"stall={stall(big, args.steps, work):.4f} (target < 0.02)")
 

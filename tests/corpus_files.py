@@ -82,3 +82,20 @@ def expected_steps(units: list[Unit], order: EpochOrder, packing: Packing, epoch
             rows = shuffled[first - window * order.window :][: order.global_batch]
             steps.append(Counter(row_hash(row) for row in rows))
     return steps
+
+
+def steps_seen(seen: Path) -> dict[int, Counter]:
+    """Each step's blocks over every rank and micro-batch, as the last attempt that ran it trained
+    them (an attempt's processes are the ones that began at the same step)."""
+    records = [json.loads(line) for path in sorted(seen.glob("*.jsonl")) for line in path.read_text().splitlines()]
+    began: dict[int, int] = {}
+    for record in records:
+        began[record["pid"]] = min(began.get(record["pid"], record["step"]), record["step"])
+    by_step: dict[int, list[dict]] = {}
+    for record in records:
+        by_step.setdefault(record["step"], []).append(record)
+    steps = {}
+    for step, ran in by_step.items():
+        last = max(began[record["pid"]] for record in ran)
+        steps[step] = sum((Counter(r["rows"]) for r in ran if began[r["pid"]] == last), Counter())
+    return steps

@@ -20,7 +20,7 @@ from raytpu.corpus.packing import Packing, count_unit, held_out, unit_blocks
 from raytpu.corpus.sources import CorpusError, documents, find_units
 from raytpu.corpus.tokens import read_split, read_summary, tokenize_corpus
 from tests.conftest import ROOT
-from tests.corpus_files import WordEncoder
+from tests.corpus_files import WordEncoder, steps_seen
 
 SMALL = str(ROOT / "jobs" / "causal_lm" / "small.yaml")
 
@@ -93,9 +93,12 @@ def test_a_missing_parquet_column_names_the_columns_there_are(tmp_path: Path):
         texts_of(find_units([str(tmp_path / "t.parquet")], "x"))
 
 
-def test_missing_files_and_hub_names_are_refused_in_one_line(tmp_path: Path):
+def test_missing_files_a_silent_bucket_and_hub_names_are_refused_in_one_line(tmp_path: Path, monkeypatch):
     with pytest.raises(CorpusError, match="does not exist"):
         find_units([str(tmp_path / "absent.jsonl")], "data.train_files")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # nothing listens there
+    with pytest.raises(CorpusError, match="cannot be read: the store does not answer: check AWS_ENDPOINT_URL"):
+        find_units(["s3://corpus-bucket/shards/"], "data.train_files")
     with pytest.raises(ConfigError, match="downloads nothing"):
         load_config(SMALL, ["--dataset_name", "wikitext"])
 
@@ -192,6 +195,12 @@ def test_block_counts_per_unit_match_what_the_packer_yields(corpus_dir: Path):
 
 
 # ------------------------------------------------------------------ runs on the torch path
+#: a 1-layer Llama: steps of milliseconds
+TINY_MODEL = ["job.model_config.hidden_size=32", "job.model_config.intermediate_size=64",
+              "job.model_config.num_hidden_layers=1", "job.model_config.num_attention_heads=2",
+              "job.model_config.num_key_value_heads=1"]  # fmt: skip
+
+
 def lm_run(tmp_path: Path, *words: str) -> list[str]:
     """A tiny causal LM for a few steps in one local process."""
     return ["train", SMALL, "--local", "scaling.num_workers=1", "data.global_batch_size=4", "loop.max_steps=4",
@@ -251,3 +260,30 @@ def test_bad_corpora_are_one_error_line_within_seconds(tmp_path: Path, capsys, m
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("raytpu: error:")]
     assert code == 2 and len(errors) == 1 and re.search(message, errors[0]), errors
     assert time.monotonic() - started < 30
+
+
+def test_the_torch_path_resumed_at_another_size_trains_every_step_s_blocks(tmp_path: Path):
+    """Local processes on the torch path: 2 that fail at step 7 and 1 that resumes from step 4 train,
+    step by step, the very blocks of 2 uninterrupted ones (each step's blocks over every rank)."""
+    from raytpu import cli
+
+    faulty = tmp_path / "faulty.yaml"
+    faulty.write_text(Path(SMALL).read_text().replace("name: causal_lm\n", "name: tests.faulty_lm\n", 1))
+    train, valid = (
+        write_jsonl(tmp_path / "train.jsonl", docs(400)),
+        write_jsonl(tmp_path / "valid.jsonl", docs(40, 900)),
+    )
+    common = ["train", str(faulty), "--local", "--train_file", str(train), "--validation_file", str(valid),
+              f"data.path={tmp_path / 'prepared'}", "job.seq_len=16", "job.vocab_size=300", "job.sample_tokens=0",
+              "data.global_batch_size=8", "loop.max_steps=12", "--save_steps", "4", "--eval_steps", "4",
+              "--max_eval_samples", "8", "logging.progress_bar=false", "--output_dir", str(tmp_path / "runs"),
+              *TINY_MODEL]  # fmt: skip
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    straight.mkdir(), interrupted.mkdir()
+    assert cli.main([*common, "--run_name", "straight", f"job.seen_dir={straight}", "scaling.num_workers=2"]) == 0
+    resumed = [*common, "--run_name", "resumed", f"job.seen_dir={interrupted}"]
+    assert cli.main([*resumed, "scaling.num_workers=2", "job.fail_at_step=7"]) == 1
+    assert cli.main([*resumed, "scaling.num_workers=1"]) == 0
+    expected, trained = steps_seen(straight), steps_seen(interrupted)
+    assert sorted(trained) == sorted(expected) == list(range(1, 13))
+    assert [trained[step] for step in range(1, 13)] == [expected[step] for step in range(1, 13)]

@@ -22,7 +22,7 @@ from raytpu.corpus.order import EpochOrder
 from raytpu.corpus.packing import Packing, TokenizerEncoder, count_unit
 from raytpu.corpus.sources import find_units
 from tests.conftest import ROOT
-from tests.corpus_files import WordEncoder, expected_steps, row_hash, stdlib_documents, write_shards
+from tests.corpus_files import WordEncoder, expected_steps, row_hash, stdlib_documents, steps_seen, write_shards
 
 SMALL = ROOT / "jobs" / "causal_lm" / "small.yaml"
 
@@ -74,23 +74,6 @@ TINY = ["job.model_config.hidden_size=32", "job.model_config.intermediate_size=6
         "job.seq_len=64", "job.sample_tokens=0", "data.global_batch_size=8", "data.loader=ray", "loop.log_every=2",
         "--save_steps", "4", "--eval_steps", "8", "--max_eval_samples", "8", "--validation_split_percentage", "10",
         "data.shuffle_buffer=16", "logging.progress_bar=false"]  # fmt: skip
-
-
-def steps_seen(seen: Path) -> dict[int, Counter]:
-    """Each step's blocks over every rank and micro-batch, as the last attempt that ran it trained
-    them (an attempt's processes are the ones that began at the same step)."""
-    records = [json.loads(line) for path in sorted(seen.glob("*.jsonl")) for line in path.read_text().splitlines()]
-    began: dict[int, int] = {}
-    for record in records:
-        began[record["pid"]] = min(began.get(record["pid"], record["step"]), record["step"])
-    by_step: dict[int, list[dict]] = {}
-    for record in records:
-        by_step.setdefault(record["step"], []).append(record)
-    steps = {}
-    for step, ran in by_step.items():
-        last = max(began[record["pid"]] for record in ran)
-        steps[step] = sum((Counter(r["rows"]) for r in ran if began[r["pid"]] == last), Counter())
-    return steps
 
 
 @pytest.fixture(scope="module")

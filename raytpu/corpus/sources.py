@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raytpu.errors import ConfigError
-from raytpu.storage.filesystems import filesystem, is_remote
+from raytpu.storage.filesystems import diagnose, filesystem, is_remote
 
 #: a suffix -> how its file is read
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -111,7 +111,8 @@ def units_of(location: str, what: str) -> list[Unit]:
         if info.type == pafs.FileType.Directory:
             return folder_units(base, fs, path, what)
     except OSError as exc:
-        raise CorpusError(f"{what} {location!r} cannot be read: {' '.join(str(exc).split())[:300]}") from None
+        reason = diagnose(location, str(exc)) if is_remote(location) else " ".join(str(exc).split())[:300]
+        raise CorpusError(f"{what} {location!r} cannot be read: {reason}") from None
     raise CorpusError(f"{what} {location!r} does not exist; give files, folders or glob patterns of the corpus")
 
 
