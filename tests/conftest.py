@@ -41,6 +41,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 #: test came last and the other process sat idle for 3 minutes of a 20-minute suite
 LONGEST_FIRST = (
     "test_autoscaling.py",
+    "test_corpus_ray.py",
     "test_launch.py",
     "test_buckets.py",
     "test_causal_lm.py",
@@ -56,6 +57,7 @@ LONGEST_FIRST = (
     "test_integration_ray.py",
     "test_fake_tpu_cluster.py",
     "test_compile.py",
+    "test_corpus.py",
 )
 
 
