@@ -119,6 +119,15 @@ def finish(process: subprocess.Popen, timeout: int = 900) -> subprocess.Complete
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+def run_cluster_script(module: str, out: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python -m MODULE OUT`` in ``out``: a script that starts a Ray cluster of its own, apart from
+    the session's instance (no ``RAY_ADDRESS``), with the session's storage servers in its environment."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, "-m", module, str(out)]
+    return subprocess.run(command, cwd=out, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def run_python(args: list[str], env: dict[str, str] | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
     return finish(start_python(args, env), timeout)
 

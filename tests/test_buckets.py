@@ -6,9 +6,6 @@ submit and Ray Data with a bucket: in their own test files.)"""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,7 +18,7 @@ from raytpu import cli
 from raytpu.errors import ConfigError
 from raytpu.storage.filesystems import check_location, diagnose, is_remote, join
 from raytpu.storage.run_folder import RunFolder, local_copy
-from tests.conftest import ROOT
+from tests.conftest import run_cluster_script
 from tests.stores import BUCKET, free_port
 
 
@@ -141,16 +138,7 @@ def test_a_run_in_s3_on_three_nodes_resumes_after_a_kill_bit_identical_to_a_loca
     weights equal those of the same run uninterrupted (in 2 local processes) in a local folder, bit
     for bit; ``raytpu test`` of the bucket's final checkpoint gives that run's last evaluation;
     nothing of the run is left on the nodes' disks."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("RAY_ADDRESS", None)
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.bucket_cluster", str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_cluster_script("tests.bucket_cluster", tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "multiple active Ray instances" not in done.stdout + done.stderr  # the session's runs beside it
     report = json.loads(done.stdout.strip().splitlines()[-1])

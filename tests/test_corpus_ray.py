@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -21,7 +18,7 @@ from raytpu.corpus.index import Sources, corpus_index, read_index
 from raytpu.corpus.order import EpochOrder
 from raytpu.corpus.packing import Packing, TokenizerEncoder, count_unit
 from raytpu.corpus.sources import find_units
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cluster_script
 from tests.corpus_files import WordEncoder, expected_steps, row_hash, stdlib_documents, steps_seen, write_shards
 
 SMALL = ROOT / "jobs" / "causal_lm" / "small.yaml"
@@ -119,16 +116,7 @@ def test_a_corpus_in_s3_trains_at_256_and_512_tokens_on_three_nodes(stores, tmp_
     """The causal LM streamed from JSON-lines and parquet shards in S3 on a head and two worker nodes
     (tests/corpus_cluster.py), at seq_len 256 and 512: each run ends at its last step with a finite
     validation loss, from an index of the bucket's files, with half as many blocks at 512."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("RAY_ADDRESS", None)
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.corpus_cluster", str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_cluster_script("tests.corpus_cluster", tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     for length in ("256", "512"):

@@ -51,6 +51,11 @@ class MLflowServer:
         while time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(f"{self.uri}/health", timeout=2).close()
+                # the store is made at the first request (the SQLite schema's migrations): seconds, over
+                # the tracker's 10 s request limit on a loaded machine; made here, before a run asks
+                urllib.request.urlopen(
+                    f"{self.uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=120
+                ).close()
                 return self
             except OSError:
                 assert self.process.poll() is None, (self.folder / "server.log").read_text()[-3000:]

@@ -36,8 +36,10 @@ def rows_of(units: Sequence[Unit], skip: int = 0, first_ids: Sequence[int] = ())
 
 
 def unit_in(batch: dict[str, Any], index: int) -> Unit:
-    return Unit(**{name: batch[name][index].item() if hasattr(batch[name][index], "item") else batch[name][index]
-                   for name in FIELDS})  # fmt: skip
+    """Row ``index`` of a numpy batch of :func:`rows_of` rows, as its unit."""
+    row = {name: batch[name][index] for name in FIELDS}
+    texts = {name: str(row[name]) for name in ("root", "path", "format", "name")}
+    return Unit(**texts, size=int(row["size"]), mtime_ns=int(row["mtime_ns"]))
 
 
 def block_table(ids: np.ndarray, blocks: np.ndarray) -> pa.Table:

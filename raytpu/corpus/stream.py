@@ -21,6 +21,10 @@ from raytpu.config.batching import BatchPlan
 from raytpu.job import Batch
 from raytpu.storage.tables import EvalBatches
 
+#: seconds a worker waits for the feeder's next step before it stops the run with why (a stall
+#: that long is no slow file: a task hands on its blocks as it packs them)
+WAIT_S = 600.0
+
 
 class CorpusStream:
     """:class:`~raytpu.worker.data.WorkerData` over the feeder named ``feeder``."""
@@ -36,9 +40,18 @@ class CorpusStream:
 
     @staticmethod
     def _get(ref: Any) -> Any:
+        """The feeder's answer; after :data:`WAIT_S` without one, an error that says why it may be."""
         import ray
+        from ray.exceptions import GetTimeoutError
 
-        return ray.get(ref)
+        try:
+            return ray.get(ref, timeout=WAIT_S)
+        except GetTimeoutError:
+            raise RuntimeError(
+                f"the corpus feeder sent no block in {WAIT_S:.0f} s: its tokenizing tasks need one free CPU on some "
+                "node, and the workers may hold every node's CPUs; lower scaling.cpus_per_worker or give the "
+                "head node CPUs"
+            ) from None
 
     def batches_per_epoch(self) -> int:
         return self.steps * self.accum
