@@ -13,6 +13,18 @@ __version__ = "0.1.0"
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 
+#: the Python API (``raytpu.api``), loaded on first use so that ``import raytpu`` stays light on workers
+API = ("train", "test", "tune", "export", "RunSummary", "TestResult", "SweepResult", "ConfigError")
+
+
+def __getattr__(name: str) -> Any:
+    if name in API:
+        from raytpu import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'raytpu' has no attribute {name!r}")
+
+
 def report(metrics: dict[str, Any]) -> None:
     """Send ``metrics`` (numbers) to Ray Train from a script run by ``raytpu launch``; outside
     ``raytpu launch`` it does nothing, so the script keeps running under ``python``, ``torchrun``

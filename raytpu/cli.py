@@ -16,7 +16,7 @@ from pathlib import Path
 from raytpu.config import with_values
 from raytpu.config.args import ConfigError, Parser, extract, parse_options, take_flag
 from raytpu.config.loading import read_config
-from raytpu.errors import RunFailed, RunStopped
+from raytpu.errors import RunFailed, RunStopped, message_of
 from raytpu.job import HasStatistics, Synthesizes, load_job
 
 EXIT_USAGE = 2
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return dispatch(build_parser().parse_args(argv), started)
     except (ConfigError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
-        print(f"raytpu: error: {one_line(exc)}", file=sys.stderr)
+        print(f"raytpu: error: {message_of(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except RunStopped as exc:
         print(f"raytpu: {exc}", file=sys.stderr)
@@ -187,9 +187,11 @@ def train_or_test_command(args: argparse.Namespace, started: float) -> int:
         cfg = with_values(cfg, {"checkpoint.weights": resolve_checkpoint(cfg, named)})
     with origins.naming_sources():  # a check on the driver names the file line or flag behind a value
         if cfg.run.mode == "test":
-            print(json.dumps(commands.test(cfg, job, address)), flush=True)
+            print(json.dumps(commands.test(cfg, job, address)[0]), flush=True)
             return 0
-        commands.train(cfg, job, address, local=local, started=started)
+        summary = commands.train(cfg, job, address, local=local, started=started)
+    if summary.stopped_by:
+        raise commands.stopped(summary)
     return 0
 
 
@@ -235,13 +237,6 @@ def data_command(args: argparse.Namespace) -> int:
         print(f"{verb}: {job.name} parquet tables in {args.out} ({tables})", flush=True)
         return 0
     raise AssertionError(args.data_command)
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    if isinstance(exc, KeyError):
-        text = text.strip("'\"")
-    return " ".join(text.split()) or type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -26,3 +26,11 @@ class RunFailed(RuntimeError):
 class WorkerFailed(RuntimeError):
     """A Ray worker's error as the driver shows it: the traceback formatted where it was raised
     (Ray Train hands the driver the bare exception; the traceback would stay in the worker's log)."""
+
+
+def message_of(exc: BaseException) -> str:
+    """An error's message on one line (a ``KeyError``'s without its quotes), else its type's name."""
+    text = str(exc).strip()
+    if isinstance(exc, KeyError):
+        text = text.strip("'\"")
+    return " ".join(text.split()) or type(exc).__name__

@@ -280,8 +280,50 @@ def job_module(name: str) -> str:
     return name if not importable(shipped) and importable(name) else shipped
 
 
+#: jobs handed to the Python API as objects (``raytpu.train(cfg, job=MyJob())``), by name: they are
+#: found before any module, and travel to the workers by value (:func:`job_by_value`)
+GIVEN: dict[str, Job] = {}
+
+
+def give(job: Job) -> Job:
+    """Make ``job`` the job of its name in this process (:data:`GIVEN`)."""
+    if not isinstance(job, Job):
+        raise ValueError(f"job={job!r}: pass an instance of a raytpu.job.Job subclass, or a job's name")
+    GIVEN[job.name] = job
+    return job
+
+
+def job_by_value(name: str) -> str:
+    """A given job pickled by value (cloudpickle, base64) for another process, or "" for a job that
+    any process finds by its name. A class defined in a notebook cell or a script's ``__main__``
+    has no module the workers could import, so its code travels with it."""
+    job = GIVEN.get(name)
+    if job is None:
+        return ""
+    import base64
+
+    import cloudpickle
+
+    module = importlib.import_module(type(job).__module__)
+    if module.__name__ != "__main__" and not module.__name__.startswith(f"{SHIPPED}."):
+        cloudpickle.register_pickle_by_value(module)
+    return base64.b64encode(cloudpickle.dumps(job)).decode()
+
+
+def take_job(text: str) -> None:
+    """Give this process the job that :func:`job_by_value` packed ("" : none)."""
+    if text:
+        import base64
+        import pickle
+
+        give(pickle.loads(base64.b64decode(text)))
+
+
 def load_job(name: str) -> Job:
-    """Resolve ``name`` to a job (:func:`job_module`); a mistake is a ``ValueError`` that says how to fix it."""
+    """Resolve ``name`` to a job (a given one, else :func:`job_module`); a mistake is a
+    ``ValueError`` that says how to fix it."""
+    if name in GIVEN:
+        return GIVEN[name]
     module_name = job_module(name)
     try:
         module = importlib.import_module(module_name)

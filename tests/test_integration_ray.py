@@ -78,7 +78,7 @@ def test_mshnet_trains_on_two_workers_and_tests(ray_session, tmp_path, capsys):
     cfg = with_values(
         cfg, {"data.path": str(tmp_path / "pq"), "data.loader": "ray", "checkpoint.weights": summary.latest_checkpoint}
     )
-    metrics = commands.test(cfg, job)
+    metrics, _ = commands.test(cfg, job)
     for name in ("mIoU", "nIoU", "Pd", "Fa"):
         assert metrics[f"test/{name}"] == pytest.approx(summary.metrics[f"valid/{name}"], rel=1e-6, abs=1e-9)
 
@@ -115,7 +115,7 @@ def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(r
 
     torch_path = {"data.path": str(tmp_path / "cdeit"), "data.loader": "torch"}  # test mode through the torch path
     cfg = with_values(cfg, {**torch_path, "checkpoint.weights": summary.best_checkpoint})
-    metrics = commands.test(cfg, job)
+    metrics, _ = commands.test(cfg, job)
     assert metrics["test/images"] == 8 and metrics["test/rmse"] > 0 and metrics["test/psnr"] > 0
 
 

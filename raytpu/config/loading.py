@@ -10,6 +10,7 @@ frozen: :func:`with_values` makes a changed copy.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import re
@@ -122,12 +123,18 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return cfg, job
 
 
-def read_config(path: str | Path | None, overrides: list[str] | None = None) -> tuple[Config, Job, Origins]:
+def read_config(
+    path: str | Path | Mapping[str, Any] | Config | None, overrides: list[str] | None = None
+) -> tuple[Config, Job, Origins]:
     """:func:`load_config`, with where each value came from; an error about a value names its
-    file and line, or the flag that set it."""
+    file and line, or the flag that set it. ``path`` may also be the sections themselves: a mapping
+    (as a YAML file holds them) or a :class:`Config` (the Python API's forms)."""
     raw: dict[str, Any] = {}
     origins = Origins()
-    if path is not None:
+    if isinstance(path, (Mapping, Config)):
+        raw = copy.deepcopy(to_dict(path) if isinstance(path, Config) else dict(path))
+        path = None
+    elif path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} not found; pass a YAML file such as jobs/mshnet/small.yaml")

@@ -23,6 +23,7 @@ from raytpu.config.batching import BatchPlan, elastic_plans
 from raytpu.config.loading import from_dict, to_dict, with_values
 from raytpu.config.schema import Config
 from raytpu.errors import ConfigError
+from raytpu.job import job_by_value, take_job
 from raytpu.runtime.kinds import compiles, kind_of, precision_reason
 from raytpu.runtime.placement import ClusterOffer, NodeType, Placement, place
 from raytpu.storage.filesystems import is_remote, join
@@ -139,10 +140,12 @@ class Plan:
             "batch": dataclasses.asdict(self.batch) if self.batch else None,
             "datasets": list(self.datasets),
             "notes": list(self.notes),
+            "job_by_value": job_by_value(self.config.job.name),
         }
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Plan:
+        take_job(values.get("job_by_value", ""))
         facts = dict(values["facts"])
         offer = facts["offer"]
         facts["offer"] = ClusterOffer(

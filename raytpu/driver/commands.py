@@ -67,6 +67,11 @@ class RunSummary:
     stopped_by: int | None = None
     best_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
+    @property
+    def summary(self) -> dict[str, Any]:
+        """The run's ``summary.json``: its status, these checkpoints and metrics, its goodput."""
+        return run_summary.read(RunFolder(self.run_dir)) or {}
+
     def record(self) -> dict[str, Any]:
         """What ``summary.json`` keeps of it (``raytpu.records.summary``)."""
         return {
@@ -222,7 +227,8 @@ def train(
     cfg: Config, job: Job, address: str | None = None, local: bool = False, started: float | None = None
 ) -> RunSummary:
     """Train through Ray (or, with ``local``, in local processes) and print where everything is,
-    with the run's goodput. ``started``: when the command started (default: now)."""
+    with the run's goodput. ``started``: when the command started (default: now). A run stopped by
+    a signal returns too, its ``stopped_by`` set (:func:`stopped` says it)."""
     command = Command(started=started or time.time())
     instances = tuple(STARTED_HERE)  # Ray instances of this process that the command did not start
     stop = StopOnSignal(local=local)
@@ -252,13 +258,17 @@ def train(
     ran = devices.read(folder)
     lines = [*summary.lines(found), *([f"ran as:            {devices.line(ran)}"] if ran else [])]
     print("\n".join([*lines, f"goodput:           {goodput.summary_line(record)}"]), flush=True)
-    if summary.stopped_by:
-        raise RunStopped(
-            summary.stopped_by,
-            f"stopped by {signal.Signals(summary.stopped_by).name} after checkpointing step {summary.step}; "
-            "run the same command again to resume from there",
-        )
     return summary
+
+
+def stopped(summary: RunSummary) -> RunStopped:
+    """What a run stopped by a signal (``summary.stopped_by``) tells its user."""
+    assert summary.stopped_by
+    return RunStopped(
+        summary.stopped_by,
+        f"stopped by {signal.Signals(summary.stopped_by).name} after checkpointing step {summary.step}; "
+        "run the same command again to resume from there",
+    )
 
 
 def write_goodput_scalars(folder: RunFolder, record: dict[str, Any], step: int) -> None:
@@ -305,11 +315,12 @@ def train_locally(plan: Plan, stop: StopOnSignal) -> RunSummary:
     return summary_of(plan.run_dir, reported, plan.facts.main_metric_mode)
 
 
-def test(cfg: Config, job: Job, address: str | None = None) -> dict[str, float]:
-    """Evaluate ``checkpoint.weights``; returns the test metrics."""
+def test(cfg: Config, job: Job, address: str | None = None) -> tuple[dict[str, float], str]:
+    """Evaluate ``checkpoint.weights``; returns the test metrics and the folder they are in."""
     from raytpu.driver.ray_trainer import run_plan
 
     with ray_for_this_command():
         plan = prepare(cfg, "test", job, address)
         result = run_plan(plan)
-    return json.loads(RunFolder(located(plan, result.checkpoint)).read_text("test_metrics.json") or "{}")
+    folder = located(plan, result.checkpoint)
+    return json.loads(RunFolder(folder).read_text("test_metrics.json") or "{}"), folder
