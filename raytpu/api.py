@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,18 +67,17 @@ def train(
     folder, final and best metrics, latest and best checkpoints, ``summary`` (``summary.json``).
     ``checkpoint``: initial weights. A run stopped by Ctrl-C (a kernel interrupt) or SIGTERM
     checkpoints its step and returns with ``stopped_by`` set; the same call resumes it."""
-    import time
-
     from raytpu.driver import commands
+    from raytpu.records.goodput import command_started
 
-    started = time.time()
+    started = command_started()
     extra = [f"checkpoint.weights={checkpoint}"] if checkpoint else []
     with user_errors():
         cfg, job, origins = config_of(config, overrides, job, extra + verbosity(verbose))
         with origins.naming_sources():
             summary = commands.train(cfg, job, address, local=local, started=started)
     if summary.stopped_by:
-        print(f"raytpu: {commands.stopped(summary)}", flush=True)
+        print(f"raytpu: {commands.stopped_line(summary)}", file=sys.stderr, flush=True)
     return summary
 
 
@@ -86,16 +86,17 @@ def test(
     *overrides: Override,
     job: Job | None = None,
     address: str | None = None,
-    checkpoint: str = "best",
+    checkpoint: str | None = "best",
     verbose: bool = False,
 ) -> TestResult:
     """``raytpu test``: evaluate ``checkpoint`` (a folder or weights file, or ``best`` / ``latest``
-    of the config's run) on the test split and return its metrics."""
+    of the config's run; None: the config's ``checkpoint.weights``) on the test split and return
+    its metrics."""
     from raytpu.config import with_values
     from raytpu.driver import commands
     from raytpu.driver.listing import NAMED, resolve_checkpoint
 
-    extra = ["run.mode=test"] + ([] if checkpoint in NAMED else [f"checkpoint.weights={checkpoint}"])
+    extra = ["run.mode=test"] + ([f"checkpoint.weights={checkpoint}"] if checkpoint and checkpoint not in NAMED else [])
     with user_errors():
         cfg, job, origins = config_of(config, overrides, job, extra + verbosity(verbose))
         if checkpoint in NAMED:

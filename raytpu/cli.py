@@ -10,26 +10,14 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
-from raytpu.config import with_values
 from raytpu.config.args import ConfigError, Parser, extract, parse_options, take_flag
-from raytpu.config.loading import read_config
-from raytpu.errors import RunFailed, RunStopped, message_of
+from raytpu.errors import RunFailed, message_of
 from raytpu.job import HasStatistics, Synthesizes, load_job
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
-
-
-def command_start() -> float:
-    """When the running command started: the process's start when ``raytpu`` is the program (its
-    imports count as start-up), else the call of :func:`main` (another program that calls it)."""
-    from raytpu.records.goodput import process_started
-
-    program = str(getattr(sys.modules.get("__main__"), "__file__", "") or "")
-    return process_started() if Path(program).name in ("raytpu", "cli.py") else time.time()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +94,9 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    started = command_start()
+    from raytpu.records.goodput import command_started
+
+    started = command_started()
     # the driver never touches a device: Transformers (a job's config check) must not load torch_xla
     os.environ.setdefault("USE_TORCH_XLA", "0")
     if os.getcwd() not in sys.path:
@@ -116,9 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
         print(f"raytpu: error: {message_of(exc)}", file=sys.stderr)
         return EXIT_USAGE
-    except RunStopped as exc:
-        print(f"raytpu: {exc}", file=sys.stderr)
-        return 128 + exc.signum
     except KeyboardInterrupt:
         print("raytpu: interrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
         return 130
@@ -133,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def dispatch(args: argparse.Namespace, started: float) -> int:
     if args.command in ("train", "test"):
-        return train_or_test_command(args, started)
+        return train_or_test_command(args)
     if args.command == "data":
         return data_command(args)
     if args.command == "export":
@@ -166,47 +153,28 @@ def dispatch(args: argparse.Namespace, started: float) -> int:
     raise AssertionError(args.command)
 
 
-def train_or_test_command(args: argparse.Namespace, started: float) -> int:
-    from raytpu.driver import commands
-    from raytpu.driver.listing import NAMED, resolve_checkpoint
+def train_or_test_command(args: argparse.Namespace) -> int:
+    from raytpu import api
 
     switches = ["--local", "--verbose"] if args.command == "train" else ["--verbose"]
     overrides, found = extract(list(args.overrides), valued=["--address", "--checkpoint"], switches=switches)
-    if args.verbose or "--verbose" in found:
-        overrides.append("logging.verbose=true")
-    local = getattr(args, "local", False) or "--local" in found
+    verbose = args.verbose or "--verbose" in found
     address = found.get("--address", [args.address])[0]
     checkpoint = found.get("--checkpoint", [args.checkpoint])[0]
-    named = checkpoint if args.command == "test" and checkpoint in NAMED else ""
-    if checkpoint and not named:
-        overrides.append(f"checkpoint.weights={checkpoint}")
     if args.command == "test":
-        overrides.append("run.mode=test")
-    cfg, job, origins = read_config(args.config, overrides)
-    if named:
-        cfg = with_values(cfg, {"checkpoint.weights": resolve_checkpoint(cfg, named)})
-    with origins.naming_sources():  # a check on the driver names the file line or flag behind a value
-        if cfg.run.mode == "test":
-            print(json.dumps(commands.test(cfg, job, address)[0]), flush=True)
-            return 0
-        summary = commands.train(cfg, job, address, local=local, started=started)
-    if summary.stopped_by:
-        raise commands.stopped(summary)
-    return 0
+        api.test(args.config, *overrides, address=address, checkpoint=checkpoint, verbose=verbose)
+        return 0
+    local = args.local or "--local" in found
+    summary = api.train(args.config, *overrides, address=address, local=local, checkpoint=checkpoint, verbose=verbose)
+    return 128 + summary.stopped_by if summary.stopped_by else 0
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from raytpu.driver.export import export
-    from raytpu.driver.listing import NAMED, resolve_checkpoint
+    from raytpu import api
 
     overrides, found = extract(list(args.overrides), valued=["--checkpoint", "--out"])
-    cfg, job, origins = read_config(args.config, overrides)
     checkpoint = found.get("--checkpoint", [args.checkpoint])[0]
-    if checkpoint in NAMED:
-        checkpoint = resolve_checkpoint(cfg, checkpoint)
-    with origins.naming_sources():
-        out = export(cfg, job, checkpoint or "", found.get("--out", [args.out])[0] or "")
-    print(f"exported {job.name} weights from {checkpoint} to {out}", flush=True)
+    api.export(args.config, *overrides, out=found.get("--out", [args.out])[0] or "", checkpoint=checkpoint or "")
     return 0
 
 

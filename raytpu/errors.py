@@ -1,18 +1,10 @@
-"""What ends a command early: a user's mistake, a run stopped by a signal, and a run that failed."""
+"""What ends a command early: a user's mistake, and a run that failed."""
 
 from __future__ import annotations
 
 
 class ConfigError(ValueError):
     """A user error in a command, a config file or an override: the message says what to fix."""
-
-
-class RunStopped(Exception):
-    """The run stopped cleanly on a signal; it resumes when the same command runs again."""
-
-    def __init__(self, signum: int, message: str) -> None:
-        super().__init__(message)
-        self.signum = signum
 
 
 class RunFailed(RuntimeError):

@@ -15,7 +15,7 @@ from raytpu.driver import commands
 from tests.conftest import ROOT
 
 #: the modules that walk the config from the command line to the plan
-WALK = ("raytpu.cli", "raytpu.config.", "raytpu.driver.")
+WALK = ("raytpu.cli", "raytpu.api", "raytpu.config.", "raytpu.driver.")
 
 
 class Prepared(Exception):

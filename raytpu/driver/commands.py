@@ -39,7 +39,7 @@ from raytpu.config.plan import Facts, Plan, ScriptPlan, make_plan
 from raytpu.corpus.prepare import streamed, text_sizes
 from raytpu.driver import preflight
 from raytpu.driver.signals import StopOnSignal
-from raytpu.errors import RunFailed, RunStopped
+from raytpu.errors import RunFailed
 from raytpu.job import Job
 from raytpu.records import devices, goodput
 from raytpu.records import summary as run_summary
@@ -228,7 +228,7 @@ def train(
 ) -> RunSummary:
     """Train through Ray (or, with ``local``, in local processes) and print where everything is,
     with the run's goodput. ``started``: when the command started (default: now). A run stopped by
-    a signal returns too, its ``stopped_by`` set (:func:`stopped` says it)."""
+    a signal returns too, its ``stopped_by`` set (:func:`stopped_line` says it)."""
     command = Command(started=started or time.time())
     instances = tuple(STARTED_HERE)  # Ray instances of this process that the command did not start
     stop = StopOnSignal(local=local)
@@ -261,13 +261,12 @@ def train(
     return summary
 
 
-def stopped(summary: RunSummary) -> RunStopped:
+def stopped_line(summary: RunSummary) -> str:
     """What a run stopped by a signal (``summary.stopped_by``) tells its user."""
     assert summary.stopped_by
-    return RunStopped(
-        summary.stopped_by,
+    return (
         f"stopped by {signal.Signals(summary.stopped_by).name} after checkpointing step {summary.step}; "
-        "run the same command again to resume from there",
+        "run the same command again to resume from there"
     )
 
 

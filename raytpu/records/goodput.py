@@ -14,9 +14,11 @@ breakdown covers all of them.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from raytpu.storage.run_folder import RunFolder
@@ -53,6 +55,13 @@ def process_started() -> float:
         return float(psutil.Process().create_time())
     except Exception:  # psutil (Ray's) missing or refused: the earliest time this module knows
         return time.time()
+
+
+def command_started() -> float:
+    """When the running command started: the process's start when ``raytpu`` is the program (its
+    imports count as start-up), else now (a call from another program: a notebook, a script)."""
+    program = str(getattr(sys.modules.get("__main__"), "__file__", "") or "")
+    return process_started() if Path(program).name in ("raytpu", "cli.py") else time.time()
 
 
 def read_record(folder: RunFolder) -> dict[str, Any]:
