@@ -13,12 +13,12 @@ __version__ = "0.1.0"
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 
-#: the Python API (``raytpu.api``), loaded on first use so that ``import raytpu`` stays light on workers
-API = ("train", "test", "tune", "export", "RunSummary", "TestResult", "SweepResult", "ConfigError")
+__all__ = ["train", "test", "tune", "export", "RunSummary", "TestResult", "SweepResult", "ConfigError", "report"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in API:
+    """The Python API (``raytpu.api``), loaded on first use: ``import raytpu`` stays light on workers."""
+    if name in __all__ and name != "report":
         from raytpu import api
 
         return getattr(api, name)

@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     for name, text in (("train", "train a job (resumes a run of the same name)"), ("test", "evaluate a checkpoint")):
-        cmd = sub.add_parser(name, help=text, description=text)
+        cmd = sub.add_parser(name, help=text, description=text, more_help=flag_list)
         cmd.add_argument("config", help="YAML config, e.g. jobs/mshnet/small.yaml")
         cmd.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray instance)")
         cmd.add_argument(
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser(
         "tune", help="search hyper-parameters with Ray Tune (random, Optuna, ASHA, PBT), each trial a TorchTrainer"
     )
+    tune.more_help = flag_list
     tune.add_argument("config", help="YAML config, e.g. jobs/mshnet/small.yaml")
     tune.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides and the tune flags")
 
@@ -85,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("config", nargs="?", help="a YAML config: its memory per device, estimated")
     doctor.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides of the config")
     return parser
+
+
+def flag_list() -> str:
+    from raytpu.config.flag_list import flag_list
+
+    return flag_list()
 
 
 def add_launch_parser(sub: argparse._SubParsersAction) -> None:

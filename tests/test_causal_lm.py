@@ -162,7 +162,7 @@ def test_a_bare_boolean_flag_does_not_eat_the_next_flag():
 @pytest.mark.parametrize(
     ("words", "message"),
     [
-        (["--label_smoothing_factor", "0.1"], "unknown flag --label_smoothing_factor"),
+        (["--label_smoothing_factor", "0.1"], "--label_smoothing_factor is not supported by raytpu: a job.s loss"),
         (["--optim", "adamw_bnb_8bit"], "--optim adamw_bnb_8bit is not supported"),
         (["--lr_scheduler_type", "cosine_with_restarts"], "is not supported"),
         (["--num_train_epochs", "0.5"], "whole epochs"),

@@ -372,13 +372,16 @@ def module_file(parts: list[str]) -> Path | None:
 
 @functools.cache
 def defined_names(path: Path) -> frozenset[str]:
-    """Names a module defines or imports at its top level."""
+    """Names a module defines or imports at its top level, and those its ``__all__`` names (loaded
+    on first use by a module ``__getattr__``)."""
     found = set()
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             found.add(node.name)
         elif isinstance(node, ast.Assign):
             found |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+            if any(isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets):
+                found |= set(ast.literal_eval(node.value))
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             found.add(node.target.id)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):

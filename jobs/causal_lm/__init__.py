@@ -170,7 +170,7 @@ class CausalLMJob(Job):
         "--model_name_or_path": "job.model_name_or_path",
         "--block_size": "job.seq_len",  # Transformers' run_clm.py
         "--model_type": "job.model_type",
-        "--config_overrides": Flag(convert=config_overrides, text=True),  # run_clm.py's
+        "--config_overrides": Flag(convert=config_overrides, text=True, sets="job.model_config (run_clm.py: k=v,k=v)"),
         "--use_liger_kernel": Flag(key="job.fused_loss", switch=True),  # TrainingArguments': the same fused loss
         "--tokenizer_name": "job.tokenizer",  # run_clm.py's: a save_pretrained folder
     }

@@ -49,12 +49,14 @@ def extract(
     the last one wins), ``repeated`` ones (every value kept) and ``switches`` (no value).
     Returns the other words, in order, and ``{flag: [values]}`` (a switch maps to ``[]``)."""
     valued, repeated, switches = set(valued), set(repeated), set(switches)
+    declared = {spelling(flag): flag for flag in valued | repeated | switches}
     rest: list[str] = []
     found: dict[str, list[str]] = {}
     index = 0
     while index < len(items):
         item = items[index]
         flag, sep, value = item.partition("=")
+        flag = declared.get(spelling(flag), flag) if flag.startswith("--") else flag
         index += 1
         if flag in switches and not sep:
             found[flag] = []
@@ -88,8 +90,12 @@ class Flag:
     convert: Callable[[Any], list[tuple[str, Any]]] | None = None
     ignored: str = ""  # why the flag has no effect (printed as a warning)
     text: bool = False  # ``convert`` takes the value as typed, not read as YAML
+    refused: str = ""  # a known flag raytpu does not take: what to use instead (an error)
+    sets: str = ""  # what a converted flag sets, in words (``raytpu train --help``)
 
     def pairs(self, flag: str, value: Any) -> list[tuple[str, Any]]:
+        if self.refused:
+            raise ConfigError(f"{flag} is not supported by raytpu: {self.refused}")
         if self.ignored:
             warn(f"{flag} {value} is ignored: {self.ignored}")
             return []
@@ -128,7 +134,7 @@ def read_overrides(items: list[str], aliases: Mapping[str, Alias]) -> list[Overr
         index += 1
         if item.startswith("--"):
             flag, sep, value = item.partition("=")
-            alias = aliases.get(flag)
+            alias = find_alias(flag, aliases)
             if alias is None:
                 raise ConfigError(unknown_flag_message(flag, aliases))
             rule = alias if isinstance(alias, Flag) else Flag(key=alias)
@@ -167,12 +173,50 @@ def read_overrides(items: list[str], aliases: Mapping[str, Alias]) -> list[Overr
     return overrides
 
 
+def spelling(flag: str) -> str:
+    """A long flag's words however they are joined: ``--max-failures`` and ``--max_failures`` are one flag."""
+    return flag.replace("_", "-")
+
+
+def other_spelling(flag: str) -> str:
+    """``--max-failures`` for ``--max_failures``, and back."""
+    words = flag[2:]
+    return "--" + (words.replace("-", "_") if "-" in words else words.replace("_", "-"))
+
+
+def find_alias(flag: str, aliases: Mapping[str, Alias]) -> Alias | None:
+    """The alias of ``flag`` as typed, or under its other spelling (``-`` for ``_``, or back)."""
+    if flag in aliases:
+        return aliases[flag]
+    wanted = spelling(flag)
+    return next((alias for name, alias in aliases.items() if name.startswith("--") and spelling(name) == wanted), None)
+
+
 def unknown_flag_message(flag: str, aliases: Mapping[str, Alias]) -> str:
-    close = difflib.get_close_matches(flag, [a for a in aliases if a.startswith("--")], n=3)
+    close = similar_flags(flag, [a for a in aliases if a.startswith("--")])
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     if "_" in flag and not close:
-        hint = "; it is not among the TrainingArguments flags raytpu supports (docs/configuration.md)"
+        hint = "; it is not among the TrainingArguments flags raytpu supports (raytpu train --help lists them)"
     return f"unknown flag {flag}{hint}"
+
+
+def similar_flags(flag: str, candidates: Iterable[str]) -> list[str]:
+    """Flags that may be what ``flag`` meant: the same words but for a typo, or one word more or
+    less (of at least two). Never a flag that merely shares a word (``--name`` for ``--dataset_name``)."""
+    words = spelling(flag).lstrip("-").split("-")
+    found: dict[str, str] = {}
+    for candidate in candidates:
+        other = spelling(candidate).lstrip("-").split("-")
+        short, long = sorted((words, other), key=len)
+        if len(long) - len(short) > 1 or (len(long) > len(short) and len(short) < 2):
+            continue
+        if all(any(similar_words(word, match) for match in long) for word in short):
+            found.setdefault(spelling(candidate), candidate)
+    return list(found.values())[:3]
+
+
+def similar_words(one: str, other: str) -> bool:
+    return one == other or difflib.SequenceMatcher(None, one, other).ratio() >= 0.75
 
 
 def mapping_as_flags(section: str, mapping: Any) -> list[str]:
@@ -213,7 +257,42 @@ def parse_options(items: list[str], fn: Callable[..., Any]) -> dict[str, Any]:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports a usage mistake as one ``raytpu: error:`` line (exit 2), not usage text."""
+    """argparse that reports a usage mistake as one ``raytpu: error:`` line (exit 2), not usage text,
+    takes every long option under both spellings (``--max-failures``, ``--max_failures``) while its
+    help shows the one declared, and prints an epilog as written."""
+
+    def __init__(self, *args: Any, more_help: Callable[[], str] | None = None, **kwargs: Any) -> None:
+        """``more_help``: makes the text shown after the options, when the help is asked for."""
+        kwargs.setdefault("formatter_class", DeclaredNames)
+        super().__init__(*args, **kwargs)
+        self.more_help = more_help
+
+    def format_help(self) -> str:
+        if self.more_help is not None and self.epilog is None:
+            self.epilog = self.more_help()
+        return super().format_help()
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:  # type: ignore[override]
+        others = [other_spelling(name) for name in names if name.startswith("--")]
+        action = super().add_argument(
+            *names, *[other for other in dict.fromkeys(others) if other not in names], **kwargs
+        )
+        action.declared = list(names)  # type: ignore[attr-defined]
+        return action
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"{message} (see `{self.prog} --help`)")
+
+
+class DeclaredNames(argparse.RawDescriptionHelpFormatter):
+    """Help that names an option as declared, not under the other spelling it also takes."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        declared = getattr(action, "declared", None)
+        if declared is None or not action.option_strings:
+            return super()._format_action_invocation(action)
+        every, action.option_strings = action.option_strings, declared
+        try:
+            return super()._format_action_invocation(action)
+        finally:
+            action.option_strings = every

@@ -105,7 +105,7 @@ def expand_file_ranges(raw: dict[str, Any]) -> None:
 #: flags and short keys every job accepts: alias -> dotted key
 COMMON_ALIASES: dict[str, Alias] = {
     **RENAMED_KEYS,
-    "--profile": Flag(convert=profile_window, text=True),
+    "--profile": Flag(convert=profile_window, text=True, sets="loop.profile_steps (FIRST:LAST: trace those steps)"),
     "runtime": "scaling.runtime",
     "num_workers": "scaling.num_workers",
     "precision": "scaling.precision",
@@ -158,6 +158,7 @@ def read_config(
     if not job_name:
         raise ConfigError("no job given: set `job: {name: <job>}` in the config or pass job.name=<job>")
     job = load_job(str(job_name))
+    raw["job"] = {**job_section, "name": str(job_name)}  # a job config class may default to no name
     with origins.naming_sources():
         cfg = with_values(build_dataclass(Config, raw, "", {"job": job.config_class}), pairs)
         if not cfg.run.name:  # a run is named after its job and config file unless named

@@ -36,10 +36,11 @@ class Origins:
 
     def explain(self, exc: Exception) -> ConfigError:
         """``exc`` as a :class:`ConfigError` whose message starts with where the value it names
-        came from; unchanged when it names no key with an origin, or already says where."""
+        came from; unchanged when it names no key with an origin, or already says where (it
+        starts with that origin, or with the flag the user typed)."""
         message = " ".join(str(exc).split()) or type(exc).__name__
         origin = self.origin_in(message)
-        if not origin or message.startswith(origin):
+        if not origin or message.startswith((origin, "--")):
             return exc if isinstance(exc, ConfigError) else ConfigError(message)
         return ConfigError(f"{origin}: {message}")
 

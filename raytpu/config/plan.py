@@ -61,6 +61,7 @@ class Facts:
     command: str = ""  # the id of the command that runs it (its part of the goodput record)
     started: float = 0.0  # when that command started (seconds since the epoch)
     stop: str = ""  # where a stop request is read (``raytpu.records.stop``); "" = never
+    progress_board: str = ""  # the actor where rank 0 posts its bar for the driver to draw (a notebook's)
     script: ScriptPlan | None = None
     # the values the driver fixes from where it runs, kept for every plan remade from this one (a Tune
     # trial, a smaller batch, another size): local paths made absolute from its working folder, the

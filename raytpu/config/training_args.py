@@ -202,6 +202,30 @@ def dataset_name(value: Any) -> Pairs:
     return [("data.train_files", [text])]
 
 
+#: TrainingArguments that raytpu does not take -> what to use instead (one line when given)
+REFUSED = {
+    "--tpu_num_cores": "a run uses every chip of the slices it gets (scaling.tpu.*, docs/runtimes-and-tpu.md)",
+    "--local_rank": "Ray Train gives each worker its rank",
+    "--deepspeed": "shard with --fsdp full_shard or the sharding.* keys (docs/sharding.md)",
+    "--push_to_hub": "nothing is uploaded; raytpu export CONFIG --checkpoint best --out DIR writes a folder to push",
+    "--hub_model_id": "nothing is uploaded; push what raytpu export writes",
+    "--hub_token": "nothing is uploaded; push what raytpu export writes",
+    "--use_cpu": "use scaling.runtime=cpu",
+    "--no_cuda": "use scaling.runtime=cpu",
+    "--load_best_model_at_end": "every run keeps its best checkpoint: raytpu test CONFIG --checkpoint best",
+    "--metric_for_best_model": "the job's main metric picks the best checkpoint (docs/jobs.md)",
+    "--greater_is_better": "the job's main metric says which way is better (docs/jobs.md)",
+    "--logging_dir": "TensorBoard events go to the tensorboard/ folder of the run's own folder",
+    "--do_predict": "evaluate a checkpoint with raytpu test CONFIG --checkpoint best",
+    "--label_smoothing_factor": "a job's loss is its own: smooth the labels in the job's train_step",
+    "--ddp_backend": "the runtime picks the backend (gloo on CPUs, NCCL on GPUs, XLA on TPUs)",
+    "--half_precision_backend": "mixed precision is torch.autocast: --bf16 or --fp16",
+    "--fp16_opt_level": "mixed precision is torch.autocast (no apex): --fp16",
+    "--group_by_length": "batches are shuffled samples or packed blocks of job.seq_len tokens",
+    "--log_level": "--verbose shows Ray's own log lines too",
+}
+
+
 #: flag -> raytpu key (or rule); docs/configuration.md's table lists the same
 TRAINING_ARGUMENTS: dict[str, Alias] = {
     "--output_dir": "run.storage_path",
@@ -216,49 +240,70 @@ TRAINING_ARGUMENTS: dict[str, Alias] = {
     "--adam_beta1": "optim.betas.0",
     "--adam_beta2": "optim.betas.1",
     "--adam_epsilon": "optim.eps",
-    "--optim": Flag(convert=choice("--optim", OPTIMIZERS, "optim.name")),
-    "--lr_scheduler_type": Flag(convert=choice("--lr_scheduler_type", SCHEDULERS, "optim.scheduler")),
+    "--optim": Flag(convert=choice("--optim", OPTIMIZERS, "optim.name"), sets="optim.name (adamw_torch -> adamw, ...)"),
+    "--lr_scheduler_type": Flag(
+        convert=choice("--lr_scheduler_type", SCHEDULERS, "optim.scheduler"), sets="optim.scheduler"
+    ),
     "--warmup_steps": "optim.warmup_steps",
     "--warmup_ratio": "optim.warmup_ratio",
     "--max_grad_norm": "loop.clip_grad_norm",
-    "--num_train_epochs": Flag(convert=whole_epochs),
-    "--max_steps": Flag(convert=max_steps),
+    "--num_train_epochs": Flag(convert=whole_epochs, sets="loop.epochs (whole epochs)"),
+    "--max_steps": Flag(convert=max_steps, sets="loop.max_steps (-1: none)"),
     "--logging_steps": "loop.log_every",
     "--eval_steps": "loop.eval_every_steps",
     "--save_steps": "checkpoint.every_steps",
     "--save_total_limit": "checkpoint.num_to_keep",
-    "--bf16": Flag(switch=True, convert=precision("bf16")),
-    "--fp16": Flag(switch=True, convert=precision("fp16")),
-    "--mixed_precision": Flag(convert=choice("--mixed_precision", ACCELERATE_PRECISIONS, "scaling.precision")),
+    "--bf16": Flag(switch=True, convert=precision("bf16"), sets="scaling.precision=bf16"),
+    "--fp16": Flag(switch=True, convert=precision("fp16"), sets="scaling.precision=fp16"),
+    "--mixed_precision": Flag(
+        convert=choice("--mixed_precision", ACCELERATE_PRECISIONS, "scaling.precision"),
+        sets="scaling.precision (Accelerate's no | fp16 | bf16 | fp8)",
+    ),
     "--gradient_checkpointing": Flag(key="job.gradient_checkpointing", switch=True),
     "--tf32": Flag(key="scaling.tf32", switch=True),
-    "--torch_compile": Flag(switch=True, convert=lambda on: [("loop.compile", "true" if on else "false")]),
-    "--torch_compile_mode": Flag(convert=lambda mode: [("loop.compile", "true"), ("loop.compile_mode", str(mode))]),
+    "--torch_compile": Flag(
+        switch=True, convert=lambda on: [("loop.compile", "true" if on else "false")], sets="loop.compile"
+    ),
+    "--torch_compile_mode": Flag(
+        convert=lambda mode: [("loop.compile", "true"), ("loop.compile_mode", str(mode))],
+        sets="loop.compile=true, loop.compile_mode",
+    ),
     "--torch_compile_backend": Flag(ignored="raytpu compiles with torch.compile's default backend, inductor"),
-    "--fsdp": Flag(convert=fsdp),
-    "--fsdp_config": Flag(convert=fsdp_config),
+    "--fsdp": Flag(convert=fsdp, sets="sharding.strategy (full_shard, shard_grad_op, auto_wrap)"),
+    "--fsdp_config": Flag(convert=fsdp_config, sets="sharding.* (a JSON file or object)"),
     "--auto_find_batch_size": Flag(key="loop.auto_find_batch_size", switch=True),
-    "--debug": Flag(convert=debug),
-    "--do_train": Flag(switch=True, convert=do_train),
-    "--do_eval": Flag(switch=True, convert=lambda on: []),  # raytpu evaluates at its eval steps either way
-    "--overwrite_output_dir": Flag(switch=True, convert=overwrite_output_dir),
-    "--eval_strategy": Flag(convert=eval_strategy),
-    "--evaluation_strategy": Flag(convert=eval_strategy),
-    "--save_strategy": Flag(convert=save_strategy),
+    "--debug": Flag(convert=debug, sets="xla.metrics_report (tpu_metrics_debug)"),
+    "--do_train": Flag(switch=True, convert=do_train, sets="nothing: raytpu train trains"),
+    "--do_eval": Flag(switch=True, convert=lambda on: [], sets="nothing: raytpu evaluates at its eval steps"),
+    "--overwrite_output_dir": Flag(switch=True, convert=overwrite_output_dir, sets="checkpoint.resume=false"),
+    "--eval_strategy": Flag(convert=eval_strategy, sets="loop.eval_every_epochs / loop.eval_every_steps"),
+    "--evaluation_strategy": Flag(convert=eval_strategy, sets="as --eval_strategy"),
+    "--save_strategy": Flag(convert=save_strategy, sets="checkpoint.every_steps (epoch: 0)"),
     "--logging_strategy": Flag(ignored="raytpu logs every --logging_steps steps"),
-    "--report_to": Flag(convert=report_to),
-    "--resume_from_checkpoint": Flag(convert=resume_from_checkpoint),
+    "--report_to": Flag(convert=report_to, sets="logging.report_to (tensorboard, mlflow, wandb, none)"),
+    "--resume_from_checkpoint": Flag(
+        convert=resume_from_checkpoint, sets="checkpoint.resume_from (a folder), or checkpoint.resume"
+    ),
     # run_clm.py's data arguments: a text corpus of the user's (jobs that read text)
-    "--train_file": Flag(convert=file_list("data.train_files"), text=True),
-    "--validation_file": Flag(convert=file_list("data.validation_files"), text=True),
-    "--dataset_name": Flag(convert=dataset_name, text=True),
+    "--train_file": Flag(convert=file_list("data.train_files"), text=True, sets="data.train_files"),
+    "--validation_file": Flag(convert=file_list("data.validation_files"), text=True, sets="data.validation_files"),
+    "--dataset_name": Flag(convert=dataset_name, text=True, sets="data.train_files (a local datasets folder)"),
     "--dataset_config_name": Flag(ignored="raytpu reads a saved datasets folder as it is (--dataset_name DIR)"),
     "--text_column_name": "data.text_column",
     "--validation_split_percentage": "data.validation_split_percentage",
     "--max_eval_samples": "data.max_eval_samples",
-    "--streaming": Flag(switch=True, convert=lambda on: [("data.loader", "ray" if on else "torch")]),
+    "--streaming": Flag(
+        switch=True, convert=lambda on: [("data.loader", "ray" if on else "torch")], sets="data.loader=ray"
+    ),
+    "--disable_tqdm": Flag(
+        switch=True, convert=lambda on: [("logging.progress_bar", not on)], sets="logging.progress_bar=false"
+    ),
     "--preprocessing_num_workers": Flag(ignored="raytpu tokenizes in Ray Data tasks on the cluster's spare CPUs"),
     "--overwrite_cache": Flag(ignored="raytpu makes the corpus index again whenever a file or option changed"),
+    "--eval_accumulation_steps": Flag(ignored="raytpu sums evaluation statistics on the device"),
+    "--save_safetensors": Flag(switch=True, ignored="raytpu always writes model.safetensors"),
+    "--dataloader_pin_memory": Flag(switch=True, ignored="raytpu pins host memory where the runtime gains by it"),
+    **{flag: Flag(refused=instead) for flag, instead in REFUSED.items()},
 }
 
 

@@ -45,6 +45,7 @@ from raytpu.records import devices, goodput
 from raytpu.records import summary as run_summary
 from raytpu.records.batches import recorded_text
 from raytpu.records.goodput import Command
+from raytpu.records.progress import DriverBar, board_name, in_notebook
 from raytpu.records.relay import checkpoint_names, last_state_number
 from raytpu.records.reports import best_of, complete, entry_of, read_report
 from raytpu.runtime.placement import ClusterOffer
@@ -170,6 +171,7 @@ def prepare(
         command=command.id,
         started=command.started,
         stop=stop,
+        progress_board=board_name(command.id) if mode == "train" and not local and in_notebook() else "",
         script=script,
     )
     plan = make_plan(cfg, facts)
@@ -285,7 +287,8 @@ def train_on_ray(plan: Plan) -> RunSummary:
     from raytpu.driver.ray_trainer import run_plan
 
     try:
-        result = run_plan(plan)
+        with DriverBar(plan.facts.progress_board):
+            result = run_plan(plan)
     except RunFailed:
         if is_remote(plan.storage):
             preflight.check_still_answering(plan.storage)

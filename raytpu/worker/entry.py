@@ -84,7 +84,10 @@ def work(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | 
 
     def trainer(cfg: Config) -> Trainer:
         data_root = Path(plan.facts.data_root)
-        return Trainer(cfg, job, runtime, plan.run_dir, data_root, reporter, datasets, command=command, growth=growth)
+        board = plan.facts.progress_board
+        return Trainer(
+            cfg, job, runtime, plan.run_dir, data_root, reporter, datasets, command=command, growth=growth, board=board
+        )
 
     if plan.mode == "train":
         fit_finding_batch(plan, runtime, folder, lambda cfg: trainer(cfg).fit())

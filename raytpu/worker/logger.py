@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from raytpu.records.progress import BoardPoster
 from raytpu.records.trackers import WANDB, Trackers
 from raytpu.storage.run_folder import RunFolder
 
@@ -34,12 +35,15 @@ class RunLogger:
         initial: int,
         flush_every_s: float = 0.0,
         trackers: Trackers | None = None,
+        board: str = "",
     ) -> None:
-        """``trackers``: where the same scalars go besides TensorBoard (rank 0's)."""
+        """``trackers``: where the same scalars go besides TensorBoard (rank 0's); ``board``: the
+        driver's progress board, which draws the bar instead (``raytpu.records.progress``)."""
         self.enabled, self.folder = enabled, folder
         self.trackers = trackers if trackers is not None else Trackers({}, print)
         self.writer = None
         self.bar = None
+        self.poster = None
         self._closing = threading.Event()
         self._uploader: threading.Thread | None = None
         if not enabled:
@@ -53,7 +57,9 @@ class RunLogger:
                     target=self._upload_every, args=(flush_every_s,), name="raytpu-tensorboard-upload", daemon=True
                 )
                 self._uploader.start()
-        if progress_bar:
+        if progress_bar and board:
+            self.poster = BoardPoster.find(board, total)
+        if progress_bar and self.poster is None:
             self.bar = tqdm(
                 total=total, initial=initial, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True
             )
@@ -114,11 +120,12 @@ class RunLogger:
             self.writer.file_writer.add_summary(summary)
 
     def progress(self, step: int, postfix: dict[str, Any]) -> None:
+        shown = {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in postfix.items()}
+        if self.poster is not None:
+            self.poster.post(step, shown)
         if self.bar is not None:
             self.bar.n = step
-            self.bar.set_postfix(
-                {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in postfix.items()}, refresh=True
-            )
+            self.bar.set_postfix(shown, refresh=True)
 
     def message(self, text: str) -> None:
         if not self.enabled:
@@ -152,6 +159,8 @@ class RunLogger:
             self._uploader.join()
         if self.bar is not None:
             self.bar.close()
+        if self.poster is not None and completed:
+            self.poster.post(self.poster.total)
         if self.writer is not None:
             self.writer.close()
             self.folder.sync(TENSORBOARD)

@@ -82,12 +82,14 @@ class Trainer:
         callbacks: Sequence[Callback] = (),
         command: Command | None = None,
         growth: Growth | None = None,
+        board: str = "",
     ) -> None:
         """``datasets``: split -> Ray ``DataIterator``, read when ``data.loader`` is ``ray``.
         ``command``: the command this attempt belongs to, whose driver keeps the goodput record (rank
         0 adds the attempt's step phases to it); without one, no record is kept. ``growth``: an
-        elastic run's largest size and its unit, to grow to at a checkpoint when the cluster has room."""
-        self.cfg, self.job, self.runtime, self.growth = cfg, job, runtime, growth
+        elastic run's largest size and its unit, to grow to at a checkpoint when the cluster has room.
+        ``board``: the driver's progress board, where rank 0 posts its bar (a notebook's driver)."""
+        self.cfg, self.job, self.runtime, self.growth, self.board = cfg, job, runtime, growth, board
         self.folder = RunFolder(run_dir)  # a local folder or a bucket prefix
         self.data_root, self.reporter = data_root, reporter
         self.datasets = datasets or {}
@@ -209,6 +211,7 @@ class Trainer:
             self.progress.step,
             cfg.logging.flush_every_s,
             trackers,
+            self.board,
         )
         self.logger.config(dump_yaml(cfg), self.progress.step)
         self.logger.parameters(to_dict(cfg))

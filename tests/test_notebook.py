@@ -1,0 +1,80 @@
+"""The shipped notebook (``examples/quickstart.ipynb``) in a real Jupyter kernel (nbclient): MSHNet
+on 2 local Ray workers drawn as one notebook progress bar, a kernel interrupt that checkpoints the
+run and returns, the same cell resuming it, and a second ``raytpu.train`` of a job written in a cell."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from tests.conftest import ROOT
+
+NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def text_of(cell) -> str:
+    """A cell's printed output (stdout and stderr) and error, as one text."""
+    parts = [output.get("text", "") for output in cell.outputs if output.output_type == "stream"]
+    parts += [output.get("evalue", "") for output in cell.outputs if output.output_type == "error"]
+    return "".join(parts)
+
+
+def interrupt_at_first_checkpoint(client: NotebookClient, run_dir: Path, deadline_s: float) -> threading.Thread:
+    """A thread that interrupts the kernel once the run has written a checkpoint."""
+
+    def watch() -> None:
+        ends = time.monotonic() + deadline_s
+        while time.monotonic() < ends and not any(run_dir.glob("checkpoint_*/model.safetensors")):
+            time.sleep(0.5)
+        asyncio.run(client.km.interrupt_kernel())  # as Jupyter's interrupt button does
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.integration
+def test_the_notebook_trains_is_interrupted_resumes_and_trains_a_job_of_its_own(ray_session, tmp_path):
+    """The kernel joins the session's Ray instance (one per test process), as a notebook on a cluster's
+    head joins its cluster; alone, ``raytpu.train`` starts a local instance and stops it after the run."""
+    work = tmp_path / "examples"
+    work.mkdir()
+    (tmp_path / "jobs").symlink_to(ROOT / "jobs")  # the notebook names ../jobs/mshnet/small.yaml
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    imports, train, read, own_job = code
+    client = NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(work)}})
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    with client.setup_kernel(env=env):
+        client.execute_cell(imports, notebook.cells.index(imports))
+        watcher = interrupt_at_first_checkpoint(client, work / "results" / "mshnet-notebook", deadline_s=600)
+        client.execute_cell(train, notebook.cells.index(train))
+        watcher.join()
+        stopped = text_of(train)
+        assert "SIGINT received" in stopped and "stopped by SIGINT after checkpointing step" in stopped, stopped
+        assert "Traceback" not in stopped
+
+        client.execute_cell(train, notebook.cells.index(train))  # the same cell again: resumed
+        resumed = text_of(train)
+        assert "resumed from" in resumed, resumed
+        bars = [output for output in train.outputs if WIDGET in output.get("data", {})]
+        assert len(bars) == 1, train.outputs  # one bar, drawn by the driver
+        assert "train:" not in resumed  # rank 0 drew none of its own in the forwarded lines
+        assert "final metrics:" in resumed
+
+        client.execute_cell(read, notebook.cells.index(read))
+        shown = read.outputs[-1]["data"]["text/plain"]
+        assert "valid/mIoU" in shown, read.outputs
+
+        client.execute_cell(own_job, notebook.cells.index(own_job))
+        assert "valid/accuracy" in own_job.outputs[-1]["data"]["text/plain"], text_of(own_job)
+        accuracy = float(own_job.outputs[-1]["data"]["text/plain"].split(":")[1].strip(" }"))
+        assert accuracy > 0.9  # chance: 0.5
