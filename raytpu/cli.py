@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     for name, text in (("train", "train a job (resumes a run of the same name)"), ("test", "evaluate a checkpoint")):
-        cmd = sub.add_parser(name, help=text, description=text, more_help=flag_list)
+        cmd = sub.add_parser(name, help=text, description=text)
+        cmd.more_help = flag_list
         cmd.add_argument("config", help="YAML config, e.g. jobs/mshnet/small.yaml")
         cmd.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray instance)")
         cmd.add_argument(

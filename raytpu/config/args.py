@@ -258,30 +258,42 @@ def parse_options(items: list[str], fn: Callable[..., Any]) -> dict[str, Any]:
 
 class Parser(argparse.ArgumentParser):
     """argparse that reports a usage mistake as one ``raytpu: error:`` line (exit 2), not usage text,
-    takes every long option under both spellings (``--max-failures``, ``--max_failures``) while its
-    help shows the one declared, and prints an epilog as written."""
+    shows an option as declared (:func:`take_both_spellings` adds the other spelling), and makes
+    the text after the options when the help is asked for."""
 
-    def __init__(self, *args: Any, more_help: Callable[[], str] | None = None, **kwargs: Any) -> None:
-        """``more_help``: makes the text shown after the options, when the help is asked for."""
-        kwargs.setdefault("formatter_class", DeclaredNames)
-        super().__init__(*args, **kwargs)
-        self.more_help = more_help
+    #: makes the text shown after the options, when the help is asked for
+    more_help: Callable[[], str] | None = None
+
+    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        take_both_spellings(self)
+        return super().parse_known_args(*args, **kwargs)
+
+    def _get_formatter(self) -> argparse.HelpFormatter:
+        return DeclaredNames(prog=self.prog)
 
     def format_help(self) -> str:
         if self.more_help is not None and self.epilog is None:
             self.epilog = self.more_help()
         return super().format_help()
 
-    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:  # type: ignore[override]
-        others = [other_spelling(name) for name in names if name.startswith("--")]
-        action = super().add_argument(
-            *names, *[other for other in dict.fromkeys(others) if other not in names], **kwargs
-        )
-        action.declared = list(names)  # type: ignore[attr-defined]
-        return action
-
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"{message} (see `{self.prog} --help`)")
+
+
+def take_both_spellings(parser: argparse.ArgumentParser) -> None:
+    """Every long option of ``parser`` and its subcommands also under its other spelling (``-`` for
+    ``_``, or back), which its help does not show (:class:`DeclaredNames`)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                take_both_spellings(child)
+            continue
+        others = [other_spelling(name) for name in action.option_strings if name.startswith("--")]
+        others = [other for other in dict.fromkeys(others) if other not in action.option_strings]
+        if others:
+            action.declared = list(action.option_strings)  # type: ignore[attr-defined]
+            action.option_strings = [*action.option_strings, *others]
+            parser._option_string_actions.update(dict.fromkeys(others, action))
 
 
 class DeclaredNames(argparse.RawDescriptionHelpFormatter):

@@ -39,11 +39,9 @@ LAUNCH_TEXT = "run an existing Accelerate / torch.distributed script, unchanged,
 
 def add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     """``raytpu launch``'s options (also read by ``raytpu submit launch``)."""
-    launch.add_argument("--num_processes", "--num-processes", type=int, help="processes (Ray workers), default 1")
-    launch.add_argument(
-        "--mixed_precision", "--mixed-precision", help="no | fp16 | bf16 | fp8 | auto (default: the script's own)"
-    )
-    launch.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", type=int)
+    launch.add_argument("--num_processes", type=int, help="processes (Ray workers), default 1")
+    launch.add_argument("--mixed_precision", help="no | fp16 | bf16 | fp8 | auto (default: the script's own)")
+    launch.add_argument("--gradient_accumulation_steps", type=int, help="Accelerate's (default 1)")
     launch.add_argument("--runtime", help="cpu | cuda | xla | auto (default: auto, from the cluster)")
     launch.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray instance)")
     launch.add_argument("--tpu-accelerator-type", help="TPU slice type, e.g. TPU-V5LITEPOD (one process per chip)")
