@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # Create .venv and install raytpu with the extras named (default: every job, torch_xla and the test
-# tools, as the test command needs them; the quick start names only its job's). torch==2.9.0 comes
-# with the xla extra, the one torch torch_xla 2.9.0 works with.
+# tools, as the test command needs them; the quick start names only its job's). Every set-up installs
+# torch==2.9.0, the one torch torch_xla 2.9.0 works with, so that the quick start and the tests share
+# one torch (the quick start first, then the tests: torch is downloaded once).
+# The interpreter: $PYTHON (default python3), 3.10 or newer, with its venv module.
 # Idempotent: a second run with the same extras only checks that everything is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-all,xla,dev}"
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
+    if ! "$PYTHON" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+        echo "raytpu: error: $PYTHON is not a Python 3.10+ with its venv module: install one (Debian/Ubuntu:" \
+            "apt install python3-venv) or name it with PYTHON=/path/to/python3" >&2
+        exit 2
+    fi
     "$PYTHON" -m venv .venv
 fi
 marker=".venv/.raytpu-installed-${EXTRAS//,/-}"
 if ! .venv/bin/python -c "import raytpu, ray" 2>/dev/null || [ ! -e "$marker" ] || [ pyproject.toml -nt "$marker" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e ".[$EXTRAS]"
+    .venv/bin/python -m pip install --quiet -e ".[$EXTRAS]" "torch==2.9.0"
     touch "$marker"
 fi
 TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv/bin/python - <<'PY'

@@ -3,6 +3,7 @@ test process when pytest-xdist runs two (scripts/test.sh), each with its own sto
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -126,6 +127,25 @@ def run_cluster_script(module: str, out: Path, timeout: int = 600) -> subprocess
     env.pop("RAY_ADDRESS", None)
     command = [sys.executable, "-m", module, str(out)]
     return subprocess.run(command, cwd=out, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@functools.cache
+def pid_namespace_refusal() -> str:
+    """Why this machine runs no process in a PID namespace of its own ("" where it does)."""
+    try:
+        done = subprocess.run(["unshare", "-fp", "--mount-proc", "true"], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        return "unshare (util-linux) is not installed"
+    return "" if done.returncode == 0 else f"unshare -fp --mount-proc is refused here ({done.stderr.strip()})"
+
+
+def in_own_pid_namespace(command: list[str]) -> list[str]:
+    """``command`` in a PID namespace of its own (its Ray cluster's processes end with it, and no
+    ``ray stop`` of it reaches the session's); the test skips, saying why, where that is not allowed."""
+    refusal = pid_namespace_refusal()
+    if refusal:
+        pytest.skip(f"needs a PID namespace of its own (root, or unprivileged user namespaces): {refusal}")
+    return ["unshare", "-fp", "--mount-proc", *command]
 
 
 def run_python(args: list[str], env: dict[str, str] | None = None, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from raytpu.storage.run_folder import RunFolder, local_copy
+from tests.conftest import in_own_pid_namespace
 from tests.stores import BUCKET, S3_KEYS
 
 pytestmark = pytest.mark.integration
@@ -32,7 +33,7 @@ def run_cluster(scenario: str, env: dict[str, str]) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="rtas-", dir="/tmp")  # short: Ray's socket paths have a length limit
     try:
         done = subprocess.run(
-            ["unshare", "-fp", "--mount-proc", sys.executable, "-m", "tests.autoscaling_cluster", out, scenario],
+            in_own_pid_namespace([sys.executable, "-m", "tests.autoscaling_cluster", out, scenario]),
             cwd=ROOT,
             # PJRT_DEVICE=CPU (the XLA tests' in this process) would opt the cluster's xla runs into the CPU
             env={**{k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}, "PYTHONPATH": str(ROOT), **env},

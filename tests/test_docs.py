@@ -252,11 +252,14 @@ class Cli:
 @functools.cache
 def cli() -> Cli:
     from raytpu.cli import build_parser
+    from raytpu.config.args import take_both_spellings
     from raytpu.config.loading import COMMON_ALIASES
     from raytpu.driver.tune import FLAGS
     from raytpu.job import load_job
 
-    top = subparsers(build_parser())
+    parser = build_parser()
+    take_both_spellings(parser)  # what parsing a command line adds: every long option's other spelling
+    top = subparsers(parser)
     parsers = {name: sub for name, sub in top.items() if name != "data"}
     parsers.update({f"data {name}": sub for name, sub in subparsers(top["data"]).items()})
     commands = {name: options(sub) for name, sub in parsers.items()}

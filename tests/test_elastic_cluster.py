@@ -23,7 +23,7 @@ from raytpu.config import load_config
 from raytpu.runtime import make_runtime
 from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter
-from tests.conftest import ROOT
+from tests.conftest import ROOT, in_own_pid_namespace
 from tests.elastic_cluster import kept_steps, seen_records
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,7 @@ def runs() -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="rtel-", dir="/tmp")  # short: Ray's socket paths have a length limit
     try:
         done = subprocess.run(
-            ["unshare", "-fp", "--mount-proc", sys.executable, "-m", "tests.elastic_cluster", out, *VARIANTS],
+            in_own_pid_namespace([sys.executable, "-m", "tests.elastic_cluster", out, *VARIANTS]),
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""},
             capture_output=True,

@@ -32,7 +32,7 @@ class TPUSettings:
 
 @dataclass(frozen=True)
 class ScalingSettings:
-    runtime: str = "auto"  # auto | cpu | cuda | xla
+    runtime: str = "auto"  # auto | cpu | cuda | xla | torch_tpu
     num_workers: int = 1  # workers; MIN:MAX (or [MIN, MAX]) for an elastic run, whose largest size this keeps
     min_workers: int = 0  # the smallest size of an elastic run (set by num_workers: MIN:MAX; 0: a fixed size)
     precision: str = "auto"  # auto | fp32 | bf16 | fp16 | fp8 (float8 linear layers: GPUs of compute capability 8.9+)

@@ -2,9 +2,10 @@
 
 Users of ``transformers.Trainer`` keep their command lines: each flag below sets the raytpu key
 with the same meaning; the flags their scripts almost always carry but raytpu has no use for are
-accepted with a one-line warning; any other underscore flag is an error that names it. "Per
-device" means per data-parallel replica (a worker on cpu/cuda, a chip on XLA), resolved into
-``data.global_batch_size`` once the runtime is known (:func:`raytpu.config.validation.apply_per_device_batch`).
+accepted with a one-line warning; the ones it does not take (:data:`REFUSED`) say what to use
+instead; any other underscore flag is an error that names it. "Per device" means per data-parallel
+replica (a worker on cpu/cuda, a chip on XLA), resolved into ``data.global_batch_size`` once the
+runtime is known (:func:`raytpu.config.plan.per_device_batches`).
 """
 
 from __future__ import annotations
