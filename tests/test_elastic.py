@@ -56,6 +56,8 @@ def test_a_range_in_a_file_on_the_command_line_and_as_a_list(tmp_path):
         (["scaling.num_workers=2:1"], "scaling.num_workers=2:1: the smallest size must be at most the largest"),
         (["scaling.num_workers=1:x"], "a range is MIN:MAX in whole numbers"),
         (["scaling.num_workers=[1, 2, 3]"], "a range is two whole numbers [MIN, MAX]"),
+        (["scaling.num_workers=0:2"], "scaling.num_workers=0:2: a run cannot go on with 0"),
+        (["scaling.num_workers=[0, 2]"], "scaling.num_workers=0:2: a run cannot go on with 0"),
     ):
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
             load_config(None, [*TOY, *words])

@@ -70,12 +70,19 @@ def range_of(key: str, value: Any) -> tuple[int, int] | None:
         low, _, high = value.partition(":")
         if not (re.fullmatch(r"\s*[0-9]+\s*", low) and re.fullmatch(r"\s*[0-9]+\s*", high)):
             raise ConfigError(f"{key}={value!r}: a range is MIN:MAX in whole numbers, e.g. {key}=1:4")
-        return int(low), int(high)
+        return at_least_one(key, int(low), int(high))
     if isinstance(value, (list, tuple)):
         if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             raise ConfigError(f"{key}={value!r}: a range is two whole numbers [MIN, MAX], e.g. [1, 4]")
-        return int(value[0]), int(value[1])
+        return at_least_one(key, int(value[0]), int(value[1]))
     return None
+
+
+def at_least_one(key: str, low: int, high: int) -> tuple[int, int]:
+    """A range whose smallest size can run: a run cannot go on with none."""
+    if low < 1:
+        raise ConfigError(f"{key}={low}:{high}: a run cannot go on with 0; the smallest size is 1 or more (1:{high})")
+    return low, high
 
 
 def expanded(key: str, value: Any) -> list[tuple[str, Any]]:
