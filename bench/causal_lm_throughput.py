@@ -13,6 +13,8 @@ evaluations and checkpoints between steps are not steps). The last line is
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import sys
 import tempfile
 import time
@@ -59,6 +61,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     data_dir = Path(tempfile.mkdtemp(prefix="bench-data-")) / "causal_lm"
+    atexit.register(shutil.rmtree, data_dir.parent, True)  # the benchmark keeps only what it prints
     overrides = [f"data.path={data_dir}", f"data.global_batch_size={args.batch}", "scaling.num_workers=1"]
     overrides += [f"loop.max_steps={args.warmup + args.steps}", f"loop.log_every={args.warmup + args.steps}"]
     overrides += ["logging.progress_bar=false", "logging.tensorboard=false", "job.sample_tokens=0"]

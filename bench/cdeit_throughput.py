@@ -10,8 +10,10 @@ batch and data. The last line is ``ratio=<xla/cpu>``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,6 +69,7 @@ def main() -> None:
     from raytpu.jobs.cdeit.synth import synthesize
 
     data_dir = Path(tempfile.mkdtemp(prefix="bench-cdeit-")) / "cdeit"
+    atexit.register(shutil.rmtree, data_dir.parent, True)  # the benchmark keeps only what it prints
     synthesize(data_dir, n_train=128, n_valid=16, n_test=16, size=32, seed=0)
     rates: dict[str, list[float]] = {"cpu": [], "xla": []}
     for repeat in range(args.repeats):

@@ -14,9 +14,11 @@ the checkpoints written. The last line is ``ratio=<bucket blocked s / local bloc
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-stall-"))
+    atexit.register(shutil.rmtree, work, True)  # the benchmark keeps only what it prints
     data = work / "mshnet"
     synth = [str(BIN / "raytpu"), "data", "synth", "mshnet", "--out", str(data), "--n", "200", "--size", "64"]
     subprocess.run(synth, cwd=ROOT, check=True, capture_output=True)

@@ -20,7 +20,9 @@ of its own: run it where no other Ray runs, or in a PID namespace of its own:
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +34,7 @@ from tests.elastic_cluster import after, run_variant, seen_records, start_cluste
 
 def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="rtbe-", dir="/tmp"))
+    atexit.register(shutil.rmtree, out, True)  # the benchmark keeps only what it prints
     cluster = start_cluster()
     try:
         elastic = run_variant(cluster, out, "ddp")

@@ -12,7 +12,9 @@ start to its exit) and the wall time measured around the command, and ends with
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
+    atexit.register(shutil.rmtree, work, True)  # the benchmark keeps only what it prints
     data = work / "mshnet"
     synth = [str(BIN / "raytpu"), "data", "synth", "mshnet", "--out", str(data), "--n", "200", "--size", "64"]
     subprocess.run(synth, cwd=ROOT, check=True, capture_output=True)

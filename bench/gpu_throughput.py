@@ -27,9 +27,11 @@ by the device, its driver, torch and the date.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import gc
+import shutil
 import statistics
 import subprocess
 import sys
@@ -238,6 +240,7 @@ def main() -> None:
     if args.batch:
         shape = dataclasses.replace(shape, batch=args.batch)
     data_dir = Path(tempfile.mkdtemp(prefix="bench-data-")) / "causal_lm"
+    atexit.register(shutil.rmtree, data_dir.parent, True)
     cfg, job = load_config(CONFIG, [*overrides(shape, data_dir, args.warmup + args.steps), f"scaling.runtime={device}"])
     job.synthesize(data_dir, **job.synth_options(cfg))
     precision, default_compile = raytpu_defaults(device)

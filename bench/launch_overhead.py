@@ -15,8 +15,10 @@ worker's set-up, the script, the run's end, Ray's shutdown, and the interpreter'
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -73,6 +75,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=65536)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="raytpu-launch-bench-"))
+    atexit.register(shutil.rmtree, work, True)  # the benchmark keeps only what it prints
     script = [EXAMPLE, "--epochs", "2", "--samples", str(args.samples), "--log-every", "32", "--ckpt-every", "100000"]
     base_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     base_env.pop("RAY_ADDRESS", None)
