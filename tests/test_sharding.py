@@ -115,6 +115,21 @@ def test_the_estimate_is_within_15_percent_of_the_h100_peaks():
         assert found.total / GB == pytest.approx(peak, rel=0.15), found.parts()
 
 
+def test_the_estimate_is_within_15_percent_of_the_h200_peaks_in_bf16_and_fp8():
+    """The same model with raytpu's defaults (the fused loss) on one H200 peaked at 29.44 GB in bf16
+    and 22.83 GB in fp8 (tensorwise float8 linear layers; bench/results/gpu-h200-2026-11-27.txt):
+    the estimate counts fp8's float8 weight copies and MLP activations in 1 byte."""
+    shape = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "intermediate_size": 5632, "max_position_embeddings": 2048}  # fmt: skip
+    words = [f"job.model_config.{key}={value}" for key, value in shape.items()]
+    words += ["job.seq_len=2048", "job.vocab_size=8192", "data.global_batch_size=8", "scaling.num_workers=1"]
+    cfg, job = load_config(SMALL, [*words, "scaling.runtime=cuda", "loop.compile=true"])
+    for precision, peak in (("bf16", 29.44), ("fp8", 22.83)):
+        found = estimate_run(cfg, job, precision)
+        assert found.total / GB == pytest.approx(peak, rel=0.15), (precision, found.parts())
+    assert estimate_run(cfg, job, "fp8").total < 0.85 * estimate_run(cfg, job, "bf16").total
+
+
 def test_gpu_memory_from_ray_and_cuda_names():
     assert memory_of("NVIDIA H100 80GB HBM3") == 80 and memory_of("H100") == 80
     assert memory_of("NVIDIA A100-SXM4-40GB") == 40 and memory_of("NVIDIA H200") == 141

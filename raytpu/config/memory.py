@@ -7,7 +7,7 @@ What one device holds (bytes; ``P`` parameters, ``N`` shards: the workers when t
 sharded, else 1; ``c`` the bytes of a computed value: 2 in bf16, 4 in fp32):
 
 * weights: the fp32 parameters, ``4 P / N``; a bf16 data-parallel step also keeps the bf16 copy
-  autocast makes of each weight for the backward (``2 P``);
+  autocast makes of each weight for the backward (``2 P``), an fp8 step its float8 copy (``P``);
 * gradients: ``4 P / N``; DDP over several workers keeps a second copy in its all-reduce buckets;
 * optimizer state: ``8 P / N`` for Adam and AdamW (two moments), ``4 P / N`` for SGD with
   momentum and Adagrad, none counted for Adafactor (factored: a few percent);
@@ -114,8 +114,8 @@ def estimate(
     if sharded:
         gathered = compute * (size.root + 2 * size.largest_unit) + (compute + 4) * size.largest_unit
     else:
-        if compute == 2:
-            weights += 2 * params  # autocast's low-precision copy of every weight, kept for the backward
+        if compute == 2:  # the low-precision copy of every weight kept for the backward: fp8's in 1 byte
+            weights += (1 if precision == "fp8" else 2) * params
         if workers > 1:
             gradients *= 2  # DDP's all-reduce buckets
     state = OPTIMIZER_BYTES.get(optimizer, 8) * params / shards
@@ -138,6 +138,7 @@ def advice(cfg_sharded: bool, checkpointed: bool, activations_share: float) -> s
 def estimate_run(cfg: Config, job: Job, precision: str | None = None) -> MemoryEstimate:
     """One device's bytes for a training step of ``cfg`` (its runtime's precision unless given)."""
     precision = precision or cfg.scaling.precision
+    cfg = with_values(cfg, {"scaling.precision": precision})  # what the job's activations count in
     with torch.device("meta"):
         model = job.build_model(cfg)
     units = units_of(model, wrapping_units(model, list(cfg.sharding.layers)))
