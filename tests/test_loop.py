@@ -292,7 +292,7 @@ def test_a_full_disk_names_the_path_and_keeps_the_last_checkpoint(tmp_path, monk
         real(path, state_dict)
 
     monkeypatch.setattr("raytpu.worker.state.save_weights", full_disk)  # what the checkpointer calls
-    with pytest.raises(ckpt.CheckpointWriteError, match="No space left on device") as failure:
+    with pytest.raises(ckpt.CheckpointWriteError, match="no space left on its disk") as failure:
         run(tmp_path, *schedule)
     assert "model.safetensors" in str(failure.value) and "untouched" in str(failure.value)
     kept = FolderReporter(tmp_path).latest_checkpoint()

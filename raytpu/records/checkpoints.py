@@ -20,8 +20,10 @@ either the old file or the new one, never half of one. The workers write them
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import tempfile
 import zipfile
 from collections.abc import Callable
@@ -60,13 +62,54 @@ class CheckpointError(ValueError):
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, permissions); earlier checkpoints are intact."""
 
-    def __init__(self, path: str | Path, error: OSError) -> None:
-        reason = error.strerror or str(error)
+    def __init__(self, path: str | Path, reason: str) -> None:
         super().__init__(
             f"cannot write the checkpoint at {path}: {reason}; free space or fix permissions under "
             "run.storage_path, then rerun the same command: it resumes from the last complete checkpoint, "
             "which is untouched"
         )
+
+    @classmethod
+    def of(cls, error: BaseException, where: str | Path) -> CheckpointWriteError | None:
+        """``error`` as a failed write of a checkpoint at ``where``, or None where it is none. A full
+        disk reaches Python in several forms: an ``OSError`` (ENOSPC), ``shutil.Error``'s list of
+        failed copies, safetensors' ``SafetensorError`` ("os error 28"), and torch.save's
+        ``RuntimeError`` from its C++ writer ("unexpected pos", "file write failed")."""
+        text = str(error)
+        if isinstance(error, OSError) and not isinstance(error, shutil.Error):
+            full = error.errno == errno.ENOSPC
+            path = error.filename or where
+            return cls(path, space_left(path) if full else error.strerror or text)
+        if "No space left" in text or "os error 28" in text or "[Errno 28]" in text:
+            return cls(where, space_left(where))
+        if isinstance(error, RuntimeError) and any(mark in text for mark in TORCH_WRITE_FAILURES):
+            return cls(where, space_left(where) if free_bytes(where) < FULL_BELOW else "torch.save could not write it")
+        if isinstance(error, shutil.Error):
+            return cls(where, "a file could not be copied")
+        return None
+
+
+#: what torch.save's C++ writer says when a write failed (a full disk, most often)
+TORCH_WRITE_FAILURES = ("unexpected pos", "file write failed", "PytorchStreamWriter failed")
+#: free bytes under which a failed torch.save is taken for a full disk
+FULL_BELOW = 64 * 2**20
+
+
+def free_bytes(where: str | Path) -> int:
+    """Free bytes on the filesystem of ``where`` (its nearest existing folder); large when unknown."""
+    path = Path(where)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 2**62
+
+
+def space_left(where: str | Path) -> str:
+    free = free_bytes(where)
+    known = f" ({free / 2**20:.0f} MB free)" if free < 2**62 else ""
+    return f"no space left on its disk{known}"
 
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:

@@ -176,8 +176,11 @@ class RayReporter(Reporter):
             if linked:
                 return link_checkpoint(Path(checkpoint.path), Path(storage.build_checkpoint_path_from_name(name)))
             return persist_meta_last(storage, checkpoint, name)
-        except OSError as exc:  # a full disk, a refused or unreachable bucket
-            raise CheckpointWriteError(exc.filename or self.folder.uri(name), exc) from exc
+        except Exception as exc:  # a full disk, a refused or unreachable bucket
+            failure = CheckpointWriteError.of(exc, self.folder.uri(name))
+            if failure is None:
+                raise
+            raise failure from exc
         finally:
             self._stored.set()
 
@@ -286,8 +289,11 @@ class FolderReporter(Reporter):
                 shutil.rmtree(target, ignore_errors=True)
                 staging.rename(target)
                 self._prune()
-        except OSError as exc:
-            raise CheckpointWriteError(exc.filename or staging, exc) from exc
+        except Exception as exc:
+            failure = CheckpointWriteError.of(exc, staging)
+            if failure is None:
+                raise
+            raise failure from exc
         self._barrier()
 
     def _barrier(self) -> None:

@@ -132,8 +132,11 @@ class Checkpointer:
         """``reason``: why it is taken (``raytpu.worker.cadence.REASONS``), recorded in ``meta.json``."""
         try:
             self._save(directory, state, progress, metrics, reason)
-        except OSError as exc:
-            raise CheckpointWriteError(exc.filename or directory, exc) from exc
+        except Exception as exc:
+            failure = CheckpointWriteError.of(exc, directory)
+            if failure is None:
+                raise
+            raise failure from exc
 
     def _save(
         self, directory: Path, state: TrainState, progress: Progress, metrics: dict[str, Any], reason: str
