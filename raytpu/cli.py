@@ -143,9 +143,9 @@ def dispatch(args: argparse.Namespace, started: float) -> int:
 
         return launch.main(args, args.address, started)
     if args.command == "tune":
-        from raytpu.driver import tune
+        from raytpu import api
 
-        return tune.main(args.config, list(args.overrides))
+        return 0 if api.tune(args.config, *args.overrides).best_config else EXIT_FAILED
     if args.command == "submit":
         from raytpu.driver import submit
 

@@ -29,10 +29,9 @@ from ray.train import UserCallback
 from ray.tune import Callback
 
 from raytpu.cluster.capacity import read_offer
-from raytpu.cluster.connect import joined_here, one_line, ray_for_this_command
+from raytpu.cluster.connect import joined_here, one_line
 from raytpu.config import Config, ConfigError, TuneSettings, dump_yaml, with_values
 from raytpu.config.args import extract
-from raytpu.config.loading import read_config
 from raytpu.config.plan import Plan, storage_of, worker_range
 from raytpu.driver.ray_trainer import ray_storage, wait_for_workers, worker_bundles
 from raytpu.driver.search import Search, mutations_of, parse_search, searches_of, within_memory
@@ -654,15 +653,3 @@ def split_flags(overrides: list[str]) -> tuple[list[str], list[str], str | None]
         if domains:
             tuned.append(f"{key}=" + json.dumps(domains))  # JSON is a YAML flow mapping
     return rest, tuned, found.get("--address", [None])[0]
-
-
-def main(config_path: str, overrides: list[str]) -> int:
-    rest, tuned, address = split_flags(overrides)
-    cfg, job, origins = read_config(config_path, rest + tuned)
-    with ray_for_this_command(), origins.naming_sources():
-        summary = sweep(cfg, job, address)
-    return 0 if summary.get("best_config") else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2:]))
