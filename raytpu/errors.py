@@ -26,3 +26,13 @@ def message_of(exc: BaseException) -> str:
     if isinstance(exc, KeyError):
         text = text.strip("'\"")
     return " ".join(text.split()) or type(exc).__name__
+
+
+#: how a local worker marks the one line of an error its user fixes (its console shows no traceback)
+FIXABLE_MARK = "raytpu-fixable: "
+
+
+def fixable_line(error: BaseException) -> str | None:
+    """The one line that says an error its user fixes (a checkpoint that cannot be written: a full
+    disk, permissions), or None for an error whose traceback helps."""
+    return str(error) if type(error).__name__ == "CheckpointWriteError" else None

@@ -32,3 +32,32 @@ def test_every_way_a_checkpoint_writes_says_a_full_disk_in_one_line(tmp_path):
         assert "no space left on its disk (0 MB free)" in line, (writer, line)
         assert "\n" not in line and "Errno" not in line and "unexpected pos" not in line, (writer, line)
         assert "rerun the same command" in line
+
+
+RUN = (
+    'mount -t tmpfs -o size=40m tmpfs "$1" && "$2" -m raytpu.cli train --local jobs/mshnet/small.yaml '
+    'checkpoint.every_steps=10 loop.max_steps=30 logging.progress_bar=false run.storage_path="$1" data.path="$3" '
+    '2>"$1.first"; echo "first=$?"; mount -o remount,size=400m "$1" && "$2" -m raytpu.cli train --local '
+    "jobs/mshnet/small.yaml checkpoint.every_steps=10 loop.max_steps=30 logging.progress_bar=false "
+    'run.storage_path="$1" data.path="$3"; echo "second=$?"'
+)
+
+
+@pytest.mark.integration
+def test_a_local_run_whose_disk_fills_says_one_line_and_resumes_once_there_is_room(tmp_path):
+    """MSHNet small on 2 local processes, its run folder on a 40 MB tmpfs: the first checkpoint fits,
+    the second does not. The console says it in one line (no traceback), exit 1; the first
+    checkpoint is whole, and the same command resumes from it once the filesystem has room."""
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    runs.mkdir()
+    command = ["unshare", "-m", "sh", "-c", RUN, "sh", str(runs), sys.executable, str(data)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if "first=" not in done.stdout:
+        pytest.skip(f"no private mount namespace with a tmpfs here (root is needed): {done.stderr.strip()}")
+    first = (tmp_path / "runs.first").read_text()
+    assert "first=1" in done.stdout, done.stdout[-3000:] + first
+    said = [line for line in first.splitlines() if line.strip()]
+    errors = [line for line in said if line.startswith("raytpu: error:")]
+    assert len(errors) == 1 and "no space left on its disk" in errors[0], first
+    assert "Traceback" not in first and "[rank" not in first, first
+    assert "resumed from" in done.stdout and "second=0" in done.stdout, done.stdout[-3000:]

@@ -10,6 +10,8 @@ processes, Tune and remote clusters. Nothing here imports Ray.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
 import socket
@@ -23,10 +25,54 @@ from typing import Any
 
 from raytpu.config.plan import Plan
 from raytpu.driver.signals import StopOnSignal
-from raytpu.errors import RunFailed
+from raytpu.errors import FIXABLE_MARK, RunFailed
 from raytpu.records.batches import EXIT_BATCH_REDUCED, group_restarts
 
-Worker = tuple[int, subprocess.Popen, Any]  # rank, process, its log file
+#: lines of a rank's output the driver keeps in memory: its error, even where the log cannot be written
+TAIL_LINES = 200
+
+
+class RankOutput:
+    """A rank's stderr (and stdout, off rank 0): copied to its log and, for rank 0, to our stderr,
+    its last lines kept in memory, so that the run's error is said even when the run folder's disk
+    is full (a log that cannot be written is given up, the copy to the console goes on)."""
+
+    def __init__(self, path: Path, fresh: bool, console: bool) -> None:
+        self.console, self.tail = console, collections.deque(maxlen=TAIL_LINES)
+        try:
+            self.log: Any = open(path, "w" if fresh else "a")  # noqa: SIM115 (closed by close())
+        except OSError:
+            self.log = None
+
+    def copy(self, stream: Any) -> None:
+        for line in stream:
+            fixable = line.startswith(FIXABLE_MARK)  # said once, by the driver's error line
+            line = line.removeprefix(FIXABLE_MARK)
+            self.tail.append(line)
+            if self.console and not fixable:
+                sys.stderr.write(line)
+            self._write(line)
+        self.close()
+
+    def _write(self, line: str) -> None:
+        if self.log is None:
+            return
+        try:
+            self.log.write(line)
+        except OSError:  # a full disk: the tail still holds it
+            self.close()
+
+    def close(self) -> None:
+        log, self.log = self.log, None
+        if log is not None:
+            with contextlib.suppress(OSError):
+                log.close()
+
+    def text(self) -> str:
+        return "".join(self.tail)
+
+
+Worker = tuple[int, subprocess.Popen, RankOutput]  # rank, process, its output
 
 
 def free_port() -> int:
@@ -48,11 +94,12 @@ def run_processes(plan: Plan, stop: StopOnSignal) -> None:
         for attempt in range(restarts + 1):
             processes, copiers = start_workers(plan, plan_file, logs, fresh_logs=attempt == 0)
             failed = wait_all(processes, copiers)
+            outputs = {rank: output for rank, _, output in processes}
             reduced = any(process.returncode == EXIT_BATCH_REDUCED for _, process, _ in processes)
             if not reduced or stop.signum is not None or attempt == restarts:
                 break
     if failed is not None:
-        text = (logs / f"rank_{failed}.log").read_text()
+        text = outputs[failed].text()
         last = (text.strip().splitlines() or ["exited without a message"])[-1]
         raise RunFailed(f"rank {failed}: {last}", text if failed else "")
 
@@ -72,24 +119,18 @@ def start_workers(
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
         env.setdefault("OMP_NUM_THREADS", str(threads))
-        log = open(logs / f"rank_{rank}.log", "w" if fresh_logs else "a")  # noqa: SIM115 (closed by wait_all)
+        output = RankOutput(logs / f"rank_{rank}.log", fresh_logs, console=rank == 0)
         command = [sys.executable, "-m", "raytpu.worker.entry", str(plan_file)]
-        if rank == 0:  # its output is the console's; its errors are kept too
+        if rank == 0:  # its stdout is the console's; its stderr goes through output
             process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
-            copiers.append(threading.Thread(target=tee, args=(process.stderr, log), daemon=True))
-            copiers[-1].start()
-        else:
-            process = subprocess.Popen(command, env=env, stdout=log, stderr=log)
-        processes.append((rank, process, log))
+            stream = process.stderr
+        else:  # all it prints goes through output
+            process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stream = process.stdout
+        copiers.append(threading.Thread(target=output.copy, args=(stream,), daemon=True))
+        copiers[-1].start()
+        processes.append((rank, process, output))
     return processes, copiers
-
-
-def tee(stream: Any, log: Any) -> None:
-    """Copy a process's stderr to ours and to its log, line by line."""
-    for line in stream:
-        sys.stderr.write(line)
-        log.write(line)
-    log.flush()
 
 
 def wait_all(processes: list[Worker], copiers: list[threading.Thread]) -> int | None:
@@ -99,12 +140,9 @@ def wait_all(processes: list[Worker], copiers: list[threading.Thread]) -> int | 
     while pending:
         time.sleep(0.05)
         for item in [p for p in pending if p[1].poll() is not None]:
-            rank, process, log = item
+            rank, process, _ = item
             pending.remove(item)
-            if rank == 0:
-                for copier in copiers:
-                    copier.join()
-            log.close()
+            copiers[[p[0] for p in processes].index(rank)].join()
             if process.returncode != 0 and failed is None:
                 failed = rank
                 for _, other, _ in pending:

@@ -14,7 +14,7 @@ from typing import Any
 
 from raytpu.config import Config
 from raytpu.config.plan import Plan, batch_plans, worker_range
-from raytpu.errors import RunFailed
+from raytpu.errors import RunFailed, fixable_line
 from raytpu.records.batches import ray_max_failures
 from raytpu.runtime.kinds import kind_of
 from raytpu.runtime.placement import Bundle
@@ -251,6 +251,9 @@ def root_cause(exc: BaseException) -> tuple[str, str]:
         cause = error
         while getattr(cause, "cause", None) is not None:
             cause = cause.cause
+        fixable = fixable_line(cause)
+        if fixable is not None:  # said in one line: no traceback helps with a full disk
+            return f"rank {rank}: {fixable}", ""
         text = str(error).strip()
         lines = str(cause).strip().splitlines()
         return f"rank {rank}: {lines[-1] if lines else type(cause).__name__}", text

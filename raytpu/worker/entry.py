@@ -24,7 +24,7 @@ from typing import Any
 
 from raytpu.config import Config
 from raytpu.config.plan import Plan, elastic_sizes, worker_range
-from raytpu.errors import WorkerFailed
+from raytpu.errors import FIXABLE_MARK, WorkerFailed, fixable_line
 from raytpu.job import load_job
 from raytpu.records import devices
 from raytpu.records.batches import EXIT_BATCH_REDUCED
@@ -156,6 +156,13 @@ def local_entry(plan_path: str) -> None:
         print(f"raytpu: {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_BATCH_REDUCED)
+    except Exception as exc:
+        fixable = fixable_line(exc)
+        if fixable is None:
+            raise
+        print(f"{FIXABLE_MARK}{fixable}", file=sys.stderr, flush=True)  # the driver says it, once
+        sys.stdout.flush()
+        os._exit(1)
     finally:
         if world > 1:
             dist.destroy_process_group()
