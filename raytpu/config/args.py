@@ -289,7 +289,7 @@ def take_both_spellings(parser: argparse.ArgumentParser) -> None:
                 take_both_spellings(child)
             continue
         others = [other_spelling(name) for name in action.option_strings if name.startswith("--")]
-        others = [other for other in dict.fromkeys(others) if other not in action.option_strings]
+        others = [other for other in dict.fromkeys(others) if other not in parser._option_string_actions]
         if others:
             action.declared = list(action.option_strings)  # type: ignore[attr-defined]
             action.option_strings = [*action.option_strings, *others]
