@@ -248,7 +248,7 @@ def when_written(folder: RunFolder, name: str, action) -> threading.Thread:
     """Run ``action`` once ``folder`` holds ``name``."""
 
     def wait() -> None:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a guard against a hang only
         while not folder.exists(name) and time.monotonic() < deadline:
             time.sleep(0.1)
         action()

@@ -69,7 +69,7 @@ def when_checkpointed(run_dir: Path, step: int, action) -> threading.Thread:
     """Run ``action`` once ``run_dir`` holds the checkpoint of ``step``."""
 
     def wait() -> None:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a guard against a hang only
         while not (run_dir / f"checkpoint_{step:08d}" / ckpt.META).is_file() and time.monotonic() < deadline:
             time.sleep(0.05)
         action()

@@ -296,7 +296,7 @@ def test_a_killed_process_restarts_from_the_last_saved_state_in_a_bucket(ray_ses
     run_dir = RunFolder(f"{storage}/killed")
 
     def kill_a_worker() -> None:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a guard against a hang only
         # two reported states: the first one's report (a barrier of all workers) is complete
         while len([n for n in run_dir.children() if n.startswith("state_")]) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -47,7 +47,7 @@ class MLflowServer:
                    "--default-artifact-root", str(self.folder / "artifacts")]  # fmt: skip
         with open(self.folder / "server.log", "a") as log:  # the server keeps its own copy of the descriptor
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a guard against a hang only
         while time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(f"{self.uri}/health", timeout=2).close()

@@ -268,6 +268,13 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
         STARTED_HERE.append(os.environ["RAY_ADDRESS"])
 
 
+def starts_local_instance(address: str | None) -> bool:
+    """Whether :func:`connect` would start a local Ray instance (this machine, nothing joined yet)."""
+    ray = sys.modules.get("ray")
+    joined_already = ray is not None and ray.is_initialized()
+    return not joined_already and (address or os.environ.get("RAY_ADDRESS") or None) in (None, "local")
+
+
 def running_cluster() -> str | None:
     """The GCS address ``auto`` names: ``RAY_ADDRESS``, else the cluster ``ray start`` last started here."""
     from ray._private.services import canonicalize_bootstrap_address

@@ -32,6 +32,7 @@ from raytpu.cluster.connect import (
     joined_here,
     leave,
     ray_for_this_command,
+    starts_local_instance,
 )
 from raytpu.config import Config, dump_yaml
 from raytpu.config.memory import check_memory
@@ -143,16 +144,6 @@ def prepare(
     ``memory`` False: the caller checks the memory itself (a sweep, value by value)."""
     data_root, sizes = preflight.check_run(cfg, job, mode, address, local)
     marks = {} if marks is None else marks
-    marks["connect"] = time.time()
-    if local:
-        offer, where = local_offer(), "local processes"
-    else:
-        connect(address, quiet=mode == "test", verbose=cfg.logging.verbose)
-        offer, where = read_offer(this_machine=joined_here()), joined()
-    marks["connected"] = time.time()
-    text = job is not None and streamed(cfg, job)
-    if text:  # counted by Ray Data tasks
-        sizes = text_sizes(cfg, job, data_root, mode)
     if script is not None:  # the launch-state numbers of a rerun come after the run folder's own
         names = checkpoint_names(RunFolder(join(cfg.run.storage_path, cfg.run.name)))
         script = dataclasses.replace(script, last_checkpoint=last_state_number(names))
@@ -160,24 +151,35 @@ def prepare(
     command = command or Command()
     facts = Facts(
         mode=mode,
-        offer=offer,
         local=local,
-        where=where,
         main_metric_mode=job.main_metric_mode if job else "min",
         data_root=str(data_root or ""),
         split_sizes=tuple(sizes.items()),
-        text=text,
+        text=job is not None and streamed(cfg, job),
         name="" if mode != "test" else f"{cfg.run.name}/test-{stamp}",
         command=command.id,
         started=command.started,
         stop=stop,
-        progress_board=board_name(command.id) if mode == "train" and not local and in_notebook() else "",
         script=script,
     )
+    marks["connect"] = time.time()
+    if local:
+        facts = dataclasses.replace(facts, offer=local_offer(), where="local processes")
+    else:
+        if starts_local_instance(address):  # it would hold this machine: a run it cannot place is refused first
+            preflight.check_placement(make_plan(cfg, dataclasses.replace(facts, offer=local_offer())))
+        connect(address, quiet=mode == "test", verbose=cfg.logging.verbose)
+        board = board_name(command.id) if mode == "train" and in_notebook() else ""
+        facts = dataclasses.replace(
+            facts, offer=read_offer(this_machine=joined_here()), where=joined(), progress_board=board
+        )
+    marks["connected"] = time.time()
+    if facts.text:  # counted by Ray Data tasks
+        facts = dataclasses.replace(facts, split_sizes=tuple(text_sizes(cfg, job, data_root, mode).items()))
     plan = make_plan(cfg, facts)
     preflight.check_placement(plan)
     preflight.check_resume_sharding(plan)
-    estimate = check_memory(plan.config, job, offer.accelerator_types("GPU")) if job and memory else []
+    estimate = check_memory(plan.config, job, facts.offer.accelerator_types("GPU")) if job and memory else []
     say(plan, estimate)
     return plan
 
