@@ -1,6 +1,6 @@
 """A full disk, for real: a 2 MB tmpfs mounted in a private mount namespace (``unshare -m``, as
-root), filled by each way a checkpoint writes (torch.save's C++ writer, safetensors, a staged
-folder copied in, a JSON record). Each failure reads as one line naming the folder and the space
+root), filled by each way a run writes (torch.save's C++ writer, safetensors, DCP shards, a staged
+folder copied in, a JSON record, TensorBoard events). Each failure reads as one line naming the folder and the space
 left, never as the writer's own message (``unexpected pos 576 vs 534``, a list of errno tuples)."""
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ def test_every_way_a_checkpoint_writes_says_a_full_disk_in_one_line(tmp_path):
         pytest.skip(f"no private mount namespace with a tmpfs here (root is needed): {done.stderr.strip()}")
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(said) == {"torch.save", "safetensors", "copy", "json"}
+    assert set(said) == {"torch.save", "safetensors", "copy", "json", "dcp", "tensorboard"}
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]  # TensorBoard's writing thread included
     for writer, line in said.items():
-        assert line.startswith("cannot write the checkpoint at "), (writer, line)
+        what = "the TensorBoard events" if writer == "tensorboard" else "the checkpoint"
+        assert line.startswith(f"cannot write {what} at "), (writer, line)
         assert "no space left on its disk (0 MB free)" in line, (writer, line)
         assert "\n" not in line and "Errno" not in line and "unexpected pos" not in line, (writer, line)
         assert "rerun the same command" in line

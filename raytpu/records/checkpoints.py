@@ -60,32 +60,36 @@ class CheckpointError(ValueError):
 
 
 class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (disk full, permissions); earlier checkpoints are intact."""
+    """A checkpoint (or another record of the run: ``what``) could not be written (disk full,
+    permissions); earlier checkpoints are intact."""
 
-    def __init__(self, path: str | Path, reason: str) -> None:
+    def __init__(self, path: str | Path, reason: str, what: str = "the checkpoint") -> None:
         super().__init__(
-            f"cannot write the checkpoint at {path}: {reason}; free space or fix permissions under "
+            f"cannot write {what} at {path}: {reason}; free space or fix permissions under "
             "run.storage_path, then rerun the same command: it resumes from the last complete checkpoint, "
             "which is untouched"
         )
 
     @classmethod
-    def of(cls, error: BaseException, where: str | Path) -> CheckpointWriteError | None:
+    def of(cls, error: BaseException, where: str | Path, what: str = "the checkpoint") -> CheckpointWriteError | None:
         """``error`` as a failed write of a checkpoint at ``where``, or None where it is none. A full
         disk reaches Python in several forms: an ``OSError`` (ENOSPC), ``shutil.Error``'s list of
         failed copies, safetensors' ``SafetensorError`` ("os error 28"), and torch.save's
         ``RuntimeError`` from its C++ writer ("unexpected pos", "file write failed")."""
+        if isinstance(error, CheckpointWriteError):
+            return error
         text = str(error)
         if isinstance(error, OSError) and not isinstance(error, shutil.Error):
             full = error.errno == errno.ENOSPC
             path = error.filename or where
-            return cls(path, space_left(path) if full else error.strerror or text)
+            return cls(path, space_left(path) if full else error.strerror or text, what)
         if "No space left" in text or "os error 28" in text or "[Errno 28]" in text:
-            return cls(where, space_left(where))
+            return cls(where, space_left(where), what)
         if isinstance(error, RuntimeError) and any(mark in text for mark in TORCH_WRITE_FAILURES):
-            return cls(where, space_left(where) if free_bytes(where) < FULL_BELOW else "torch.save could not write it")
+            reason = space_left(where) if free_bytes(where) < FULL_BELOW else "torch.save could not write it"
+            return cls(where, reason, what)
         if isinstance(error, shutil.Error):
-            return cls(where, "a file could not be copied")
+            return cls(where, "a file could not be copied", what)
         return None
 
 

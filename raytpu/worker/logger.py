@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from raytpu.records.checkpoints import CheckpointWriteError
 from raytpu.records.progress import BoardPoster
 from raytpu.records.trackers import WANDB, Trackers
 from raytpu.storage.run_folder import RunFolder
@@ -51,7 +54,9 @@ class RunLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(folder.local(TENSORBOARD)), flush_secs=flush_every_s or 120)
+            quiet_event_writer_threads()
+            with self.events():
+                self.writer = SummaryWriter(log_dir=str(folder.local(TENSORBOARD)), flush_secs=flush_every_s or 120)
             if folder.remote and flush_every_s > 0:
                 self._uploader = threading.Thread(
                     target=self._upload_every, args=(flush_every_s,), name="raytpu-tensorboard-upload", daemon=True
@@ -64,30 +69,43 @@ class RunLogger:
                 total=total, initial=initial, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True
             )
 
+    @contextlib.contextmanager
+    def events(self) -> Iterator[None]:
+        """Writing TensorBoard events: a full disk (or a folder that cannot be written) as the
+        one-line error of a checkpoint that cannot be written, which stops the run the same way."""
+        try:
+            yield
+        except OSError as exc:
+            raise CheckpointWriteError.of(exc, self.folder.local(TENSORBOARD), "the TensorBoard events") from exc
+
     def scalars(self, values: dict[str, float], step: int) -> None:
         self.trackers.scalars(values, step)
         if self.writer is None:
             return
-        for key, value in values.items():
-            self.writer.add_scalar(key, value, step)
+        with self.events():
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
 
     def images(self, images: dict[str, torch.Tensor], step: int) -> None:
         if self.writer is None:
             return
-        for key, value in images.items():
-            self.writer.add_images(key, value.detach().float().clamp(0, 1).cpu(), step)
+        with self.events():
+            for key, value in images.items():
+                self.writer.add_images(key, value.detach().float().clamp(0, 1).cpu(), step)
 
     def texts(self, texts: dict[str, str], step: int) -> None:
         if self.writer is None:
             return
-        for key, value in texts.items():
-            self.writer.add_text(key, value, step)
+        with self.events():
+            for key, value in texts.items():
+                self.writer.add_text(key, value, step)
 
     def config(self, text: str, step: int) -> None:
         """The whole config as YAML ``text`` (tag ``config``), at each start: a resumed run, or one
         whose batch the finder stepped down, shows at that step what it trains with from there."""
         if self.writer is not None:
-            self.writer.add_text("config", "    " + text.replace("\n", "\n    "), step)  # a markdown code block
+            with self.events():
+                self.writer.add_text("config", "    " + text.replace("\n", "\n    "), step)  # a markdown code block
 
     def parameters(self, config: dict[str, Any]) -> None:
         """The config's single values, as the trackers' run parameters (a new tracker run's only)."""
@@ -116,8 +134,9 @@ class RunLogger:
             return
         from torch.utils.tensorboard.summary import hparams
 
-        for summary in hparams(dotted_values(config), dict.fromkeys(metrics, 0.0)):
-            self.writer.file_writer.add_summary(summary)
+        with self.events():
+            for summary in hparams(dotted_values(config), dict.fromkeys(metrics, 0.0)):
+                self.writer.file_writer.add_summary(summary)
 
     def progress(self, step: int, postfix: dict[str, Any]) -> None:
         shown = {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in postfix.items()}
@@ -137,7 +156,8 @@ class RunLogger:
 
     def flush(self) -> None:
         if self.writer is not None:
-            self.writer.flush()
+            with self.events():
+                self.writer.flush()
             self.folder.sync(TENSORBOARD)
 
     def _upload_every(self, seconds: float) -> None:
@@ -162,8 +182,26 @@ class RunLogger:
         if self.poster is not None and completed:
             self.poster.post(self.poster.total)
         if self.writer is not None:
-            self.writer.close()
+            with self.events():
+                self.writer.close()
             self.folder.sync(TENSORBOARD)
+
+
+def quiet_event_writer_threads() -> None:
+    """TensorBoard's event-writing thread re-raises a failed write, which prints its traceback; the
+    same error is raised again in the loop at its next event, where it becomes one line
+    (:meth:`RunLogger.events`). So that thread's OSErrors stay silent in this process."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_event_writers", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook.quiet_event_writers = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def dotted_values(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -11,7 +11,7 @@ import random
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from raytpu.records.checkpoints import (
 )
 from raytpu.runtime.base import Runtime
 from raytpu.worker.optim import keep_configured_lr
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.api import CheckpointException
 
 
 # ------------------------------------------------------------------ what a run saves
@@ -92,12 +95,22 @@ def save_shards(folder: Path, state: TrainState) -> None:
     """The model's and the optimizer's state as ``torch.distributed.checkpoint`` writes it: each rank
     its own shards, rank 0 the index, no gather onto one process (a collective of every rank)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
     with warnings.catch_warnings():  # torch 2.9's writer asks tensor.storage() of each tensor it writes
         warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
+        try:
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
+        except CheckpointException as exc:  # a BaseException, holding each rank's own error
+            raise first_failure(exc) from None
+
+
+def first_failure(exc: CheckpointException) -> BaseException:
+    """The error of the first rank that failed to write its part of a sharded checkpoint."""
+    failures = exc.failures
+    return failures[min(failures)][0] if failures else RuntimeError(str(exc))
 
 
 def load_shards(folder: Path, state: TrainState) -> None:
