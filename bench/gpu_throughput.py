@@ -16,12 +16,13 @@ compiled (>= 0.98); ``fp8_ratio=`` raytpu fp8 / raytpu defaults (>= 1.15; GPUs w
 ``sharded_ratio=`` FSDP2 over the one device / data-parallel (>= 0.95). MFU is printed counting the
 full attention matrix (PaLM's count, torchtitan's) and its causal half. Each raytpu loop's peak
 memory (``torch.cuda.max_memory_allocated``) is printed beside ``raytpu.config.memory``'s estimate;
-``--batch N`` runs another batch (the fused loss's larger batch in the same memory). Everything
+``--batch N`` runs another batch (the fused loss's larger batch in the same memory), ``--vocabulary N``
+another vocabulary (32000: Llama 2's; 128256: Llama 3's, where the fused loss pays). Everything
 printed is also written to ``bench/results/gpu_throughput-<device>-<shape>-<date>.txt``, headed
 by the device, its driver, torch and the date.
 
     python bench/gpu_throughput.py [--device auto|cpu|cuda] [--shape 789m|3b|tiny] [--batch N]
-                                   [--steps N] [--warmup N] [--repeats N]
+                                   [--vocabulary N] [--steps N] [--warmup N] [--repeats N]
 """
 
 from __future__ import annotations
@@ -229,6 +230,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--shape", choices=sorted(SHAPES), help="default: 789m on a GPU, tiny on the CPU")
     parser.add_argument("--batch", type=int, default=0, help="samples a step (default: the shape's)")
+    parser.add_argument("--vocabulary", type=int, default=0, help="e.g. 32000 or 128256 (default: the shape's)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
@@ -239,6 +241,8 @@ def main() -> None:
     shape = SHAPES[shape_name]
     if args.batch:
         shape = dataclasses.replace(shape, batch=args.batch)
+    if args.vocabulary:
+        shape = dataclasses.replace(shape, vocabulary=args.vocabulary)
     data_dir = Path(tempfile.mkdtemp(prefix="bench-data-")) / "causal_lm"
     atexit.register(shutil.rmtree, data_dir.parent, True)
     cfg, job = load_config(CONFIG, [*overrides(shape, data_dir, args.warmup + args.steps), f"scaling.runtime={device}"])
@@ -255,6 +259,7 @@ def main() -> None:
     out = Output()
     out(f"device={name} driver={driver_version()} torch={torch.__version__} date={time.strftime('%Y-%m-%d %H:%M')}")
     out(f"shape={shape_name} parameters={parameters / 1e6:.1f}M batch={shape.batch}x{tokens}")
+    out(f"vocabulary={shape.vocabulary}")
     out(f"precision={shape.precision} steps={args.steps} warmup={args.warmup} repeats={args.repeats}")
     compiled = "compiled" if default_compile else "eager"
     own_loss = with_values(cfg, {"job.fused_loss": False})  # what a hand-written loop takes: the model's loss
@@ -314,7 +319,8 @@ def main() -> None:
     if float8:
         ratio("fp8_ratio", fp8, default)
     ratio("ratio", default, "hand-written, torch.compile")
-    print(f"results: {out.save(Path(args.results), name, shape_name)}")
+    named = f"{shape_name}-vocabulary-{shape.vocabulary}" if args.vocabulary else shape_name
+    print(f"results: {out.save(Path(args.results), name, named)}")
 
 
 if __name__ == "__main__":

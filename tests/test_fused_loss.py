@@ -93,6 +93,26 @@ def test_many_chunks_with_a_bias_match_cross_entropy(monkeypatch):
         torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("vocabulary", [32000, 128256], ids=["llama2 32k", "llama3 128k"])
+def test_at_the_vocabularies_people_train_with_the_loss_and_gradients_are_cross_entropy_s(monkeypatch, vocabulary):
+    """Llama 2's and Llama 3's vocabularies in chunks of 16 tokens: the loss and the gradients of
+    the hidden states and of the output layer equal the logits-then-cross-entropy ones."""
+    monkeypatch.setattr(fused_loss, "MIN_CHUNK_TOKENS", 16)
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 40, 16, requires_grad=True)
+    weight = (torch.randn(vocabulary, 16) / 4).requires_grad_()
+    labels = torch.randint(0, vocabulary, (2, 40))
+    fused = linear_cross_entropy(hidden, weight, labels)
+    fused.backward()
+    fused_grads = [hidden.grad.clone(), weight.grad.clone()]
+    hidden.grad = weight.grad = None
+    plain = F.cross_entropy((hidden @ weight.t()).reshape(-1, vocabulary), labels.reshape(-1))
+    plain.backward()
+    assert fused.item() == pytest.approx(plain.item(), rel=1e-6)
+    for found, expected in zip(fused_grads, (hidden.grad, weight.grad)):
+        torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-7)
+
+
 def test_evaluation_and_generation_keep_working():
     plain, fused = twin_models("llama")
     plain.eval(), fused.eval()

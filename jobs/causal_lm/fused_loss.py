@@ -105,10 +105,11 @@ def chunked_loss(
         if with_grads:
             probs = logits.sub_(norm).exp_()
             probs.scatter_add_(1, targets[start : start + step], -torch.ones_like(norm))
-            grad_logits = (probs * (share / count).unsqueeze(1)).to(dtype)
+            grad_logits = probs.mul_((share / count).unsqueeze(1)).to(dtype)
             grad_hidden.append(grad_logits @ weight_c)
             grad_weight += (grad_logits.t() @ part).float()
-            grad_bias += grad_logits.float().sum(0)
+            if bias is not None:
+                grad_bias += grad_logits.float().sum(0)
     if not with_grads:
         return total / count, []
     grads = [torch.cat(grad_hidden).to(hidden.dtype), grad_weight.to(weight.dtype)]
