@@ -7,9 +7,10 @@ that what this cluster starts ends with it and never touches the test session's 
 The cluster (``ray.cluster_utils.Cluster``): a head with no CPU for workers and two nodes of one
 CPU each. Each variant is ``raytpu train`` of the toy job, started as a user would, from a
 subprocess, each of its steps recorded by the job (``job.seen_dir``: the samples, when, by which
-attempt). ``ddp`` and ``fsdp`` run ``scaling.num_workers=1:2``: once the first checkpoint is
-written one node is removed (the run goes on with one worker, the global batch kept), and once the
-run says so a node is added back (it grows to two at its next checkpoint). ``fixed`` runs two
+attempt). ``ddp`` and ``fsdp`` run ``scaling.num_workers=1:2``: one node is removed (``ddp``: once
+the first checkpoint is written; ``fsdp``: as soon as the driver has said its plan of two workers,
+before any ran a step), the run goes on with one worker, the global batch kept, and once the run
+says so a node is added back (it grows to two at its next checkpoint). ``fixed`` runs two
 workers and one failure allowed, and one worker's process is killed after the first checkpoint:
 the restart of a fixed-size run, for comparison. Prints one JSON line: each variant's exit code,
 output, seconds, and when each disruption happened (``Cluster.add_node`` must run on the main
@@ -56,8 +57,17 @@ def seen_records(seen: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for path in seen.glob("*.jsonl") for line in path.read_text().splitlines()]
 
 
+def first_checkpoint(run_dir: Path, log: Path) -> None:
+    wait_for(lambda: (run_dir / "checkpoint_00000004" / "meta.json").is_file(), 240, "the first checkpoint")
+
+
+def plan_line(run_dir: Path, log: Path) -> None:
+    """The driver has said its plan: its workers are about to start."""
+    wait_for(lambda: " worker(s), " in log.read_text(), 240, "the plan's line")
+
+
 def lose_and_regain(cluster: Any, run_dir: Path, seen: Path, driver: subprocess.Popen) -> dict[str, float]:
-    """After the first checkpoint a node goes; once the run has said so, one comes back."""
+    """A node goes; once the run has said so, one comes back."""
     victim = next(node for node in cluster.worker_nodes if node is not cluster.head_node)
     cluster.remove_node(victim)
     removed = time.time()
@@ -67,12 +77,17 @@ def lose_and_regain(cluster: Any, run_dir: Path, seen: Path, driver: subprocess.
 
 
 def kill_a_worker(cluster: Any, run_dir: Path, seen: Path, driver: subprocess.Popen) -> dict[str, float]:
-    """After the first checkpoint one worker's process is killed."""
+    """One worker's process is killed."""
     os.kill(max(int(path.stem) for path in seen.glob("*.jsonl")), signal.SIGKILL)
     return {"killed_at": time.time()}
 
 
-DISRUPTIONS = {"ddp": lose_and_regain, "fsdp": lose_and_regain, "fixed": kill_a_worker}
+#: each variant's disruption, and the moment it waits for
+DISRUPTIONS = {
+    "ddp": (first_checkpoint, lose_and_regain),
+    "fsdp": (plan_line, lose_and_regain),  # early: before any worker ran a step
+    "fixed": (first_checkpoint, kill_a_worker),
+}
 
 
 def run_variant(cluster: Any, out: Path, variant: str) -> dict[str, Any]:
@@ -94,8 +109,9 @@ def run_variant(cluster: Any, out: Path, variant: str) -> dict[str, Any]:
     )
     report: dict[str, Any] = {"run_dir": str(run_dir), "seen": str(seen)}
     try:
-        wait_for(lambda: (run_dir / "checkpoint_00000004" / "meta.json").is_file(), 240, "the first checkpoint")
-        report.update(DISRUPTIONS[variant](cluster, run_dir, seen, driver))
+        moment, disruption = DISRUPTIONS[variant]
+        moment(run_dir, out / f"{variant}.log")
+        report.update(disruption(cluster, run_dir, seen, driver))
         driver.wait(timeout=400)
     finally:
         if driver.poll() is None:

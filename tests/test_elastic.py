@@ -141,7 +141,7 @@ def test_the_watch_records_each_change_keeps_the_failure_budget_and_bounds_the_w
 
     from raytpu.cluster.elastic import ElasticRunFailed, ElasticWatch, cause_of
 
-    watch = ElasticWatch(str(tmp_path), "cmd", {1: 2, 2: 1}, 64, failures_allowed=1, wait_limit_s=0.5)
+    watch = ElasticWatch(str(tmp_path), "cmd", {1: 2, 2: 1}, 2, 64, failures_allowed=1, wait_limit_s=0.5)
 
     def run(workers: int) -> None:
         scheduling = SchedulingState(ResizeDecision(num_workers=workers, resources_per_worker={"CPU": 1}))
@@ -168,12 +168,35 @@ def test_the_watch_records_each_change_keeps_the_failure_budget_and_bounds_the_w
     run(2)
     with pytest.raises(ElasticRunFailed, match="failure 2; checkpoint.max_failures allows 1"):
         watch.after_controller_state_update(RunningState(), RestartingState(bug))
-    waiting = ElasticWatch(str(tmp_path), "cmd", {1: 2, 2: 1}, 64, failures_allowed=-1, wait_limit_s=0.2)
+    waiting = ElasticWatch(str(tmp_path), "cmd", {1: 2, 2: 1}, 2, 64, failures_allowed=-1, wait_limit_s=0.2)
     state = RestartingState(lost)
     waiting.after_controller_state_update(RunningState(), state)
     time.sleep(0.3)
     with pytest.raises(ElasticRunFailed, match="fewer than 1 worker.s. fit for 0.2 s after a node lost"):
         waiting.after_controller_state_update(state, state)
+
+
+def test_a_node_lost_while_the_first_group_starts_is_a_change_said_and_recorded(tmp_path, capsys):
+    """The plan said 2 workers; a node goes before they ran a step (as the group starts, or before it
+    is scheduled), and the first group that runs has 1: a change of size like any other (its line,
+    its record, goodput's resizing)."""
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2._internal.execution.controller.state import RestartingState, RunningState, SchedulingState
+    from ray.train.v2._internal.execution.scaling_policy import ResizeDecision
+
+    from raytpu.cluster.elastic import ElasticWatch
+
+    watch = ElasticWatch(str(tmp_path), "cmd", {1: 2, 2: 1}, 2, 64, failures_allowed=0, wait_limit_s=60)
+    for workers in (2, 1):
+        scheduling = SchedulingState(ResizeDecision(num_workers=workers, resources_per_worker={"CPU": 1}))
+        watch.after_controller_state_update(RestartingState(None), scheduling)
+        if workers == 2:  # its workers never ran
+            lost = FakeError({0: RuntimeError("gloo: connection reset"), 1: ActorDiedError()})
+            watch.after_controller_state_update(scheduling, RestartingState(lost))
+    watch.after_controller_state_update(scheduling, RunningState())
+    changes = resizes.read(RunFolder(tmp_path))
+    assert [(c["from"], c["to"], c["reason"]) for c in changes] == [(2, 1, "a node lost")]
+    assert "raytpu: workers 2 -> 1 (a node lost): global batch 64 kept, accumulation 1 -> 2" in capsys.readouterr().out
 
 
 def test_goodput_counts_the_time_from_a_change_of_size_to_the_next_step_as_resizing():

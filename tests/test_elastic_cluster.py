@@ -1,9 +1,9 @@
 """Elastic runs on a Ray cluster of several nodes (``tests/elastic_cluster.py``, in a PID namespace of
-its own): with ``scaling.num_workers=1:2``, a node removed after the first checkpoint and another
-added once the run has gone on with one worker. Data-parallel and FSDP2 (resharded from its DCP
-shards at each size): the run ends 0 with the global batch kept at every step, every sample of
-every epoch trained on once across the changes, each change said in one line and recorded, and a
-final model that learned as fixed-size runs do."""
+its own): with ``scaling.num_workers=1:2``, a node removed (after the first checkpoint, or as the
+first workers start) and another added once the run has gone on with one worker. Data-parallel and
+FSDP2 (resharded from its DCP shards at each size): the run ends 0 with the global batch kept at
+every step, every sample of every epoch trained on once across the changes, each change said in
+one line and recorded, and a final model that learned as fixed-size runs do."""
 
 from __future__ import annotations
 
@@ -63,15 +63,18 @@ def test_a_node_lost_then_given_back_the_run_shrinks_grows_and_ends(runs, varian
     assert run["code"] == 0, run["output"][-4000:]
     out = run["output"]
     assert "raytpu: elastic, 1 to 2 workers: 2 x 4 per worker; 1 x 4 per worker x 2 accumulation steps" in out
-    lost = [line for line in out.splitlines() if line.startswith("raytpu: workers 2 -> 1 (node ")]
-    assert lost and lost[0].endswith("lost): global batch 8 kept, accumulation 1 -> 2"), out[-4000:]
+    # ddp loses its node after a checkpoint; fsdp as its first workers start (the cause then depends
+    # on how far they got: a node lost, workers that could not start, or a smaller cluster)
+    lost = [line for line in out.splitlines() if line.startswith("raytpu: workers 2 -> 1 (")]
+    assert lost and lost[0].endswith("): global batch 8 kept, accumulation 1 -> 2"), out[-4000:]
+    assert variant != "ddp" or lost[0].startswith("raytpu: workers 2 -> 1 (node "), lost
     assert "raytpu: workers 1 -> 2 (capacity added): global batch 8 kept, accumulation 2 -> 1" in out
-    shown = max(out.find("Traceback"), out.find("Graceful shutdown"))
+    shown = max(out.find("Traceback"), out.find("Graceful shutdown"), out.find("Failed to query"))
     assert shown < 0, out[max(0, shown - 1500) : shown + 2500]
     summary = run["summary"]
     assert summary["status"] == "completed" and summary["step"] == 48
     sizes = summary["attempts"][0]["workers"]
-    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes
+    assert 1 in sizes and sizes[-1] == 2 and (variant != "ddp" or sizes[0] == 2), sizes
     assert [(c["from"], c["to"]) for c in summary["resizes"]] == [(2, 1), (1, 2)]
     assert {meta["world_size"] for meta in run["metas"]} == {1, 2}
     assert all(meta["sharded"] == (variant == "fsdp") for meta in run["metas"])

@@ -387,6 +387,7 @@ AUTOSCALING_CLIENT = "ray.train.v2._internal.execution.scaling_policy.autoscalin
 ELASTIC_POLICY = "ray.train.v2._internal.execution.scaling_policy.elastic"
 #: Ray Train's placement-group cleaner, which removes a dead controller's placement group
 PLACEMENT_GROUP_CLEANER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+CLEANER_NOTICES = ("Detected that the Ray Train controller actor", "Failed to query Ray Train Controller actor state")
 
 
 def quiet_train_controller() -> None:
@@ -408,9 +409,10 @@ def quiet_train_controller() -> None:
         logging.getLogger(name).addFilter(without_traceback)
     threading.excepthook = one_line_for(threading.excepthook, "PlacementGroupCleanerMonitor")
     # a controller Tune stopped (a trial ended early, or restarted from another's checkpoint by PBT):
-    # Ray's cleaner then releases its placement group, which it says with the ids of everything involved
+    # Ray's cleaner then releases its placement group, which it says with the ids of everything involved;
+    # and while a lost node's state is unknown, its look at the controller fails, said once a second
     logging.getLogger(PLACEMENT_GROUP_CLEANER).addFilter(
-        lambda record: not record.getMessage().startswith("Detected that the Ray Train controller actor")
+        lambda record: not record.getMessage().startswith(CLEANER_NOTICES)
     )
 
 

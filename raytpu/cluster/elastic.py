@@ -73,21 +73,23 @@ def cause_of(error: Any) -> tuple[str, str]:
 
 
 class ElasticWatch(ControllerCallback):
-    """The controller callback of an elastic run (module docstring). ``failures_allowed``: other
-    failures the run may retry (-1: any number); ``wait_limit_s``: how long it may stay below
-    ``smallest`` workers."""
+    """The controller callback of an elastic run (module docstring). ``accumulation``: the
+    accumulation steps at each size; ``planned``: the size the driver's plan said;
+    ``failures_allowed``: other failures the run may retry (-1: any number); ``wait_limit_s``: how
+    long it may stay below ``smallest`` workers."""
 
     def __init__(
         self,
         run_dir: str,
         command: str,
         accumulation: dict[int, int],
+        planned: int,
         global_batch: int,
         failures_allowed: int,
         wait_limit_s: float,
     ) -> None:
         self.run_dir, self.command, self.global_batch = run_dir, command, global_batch
-        self.accumulation, self.smallest = accumulation, min(accumulation)
+        self.accumulation, self.smallest, self.planned = accumulation, min(accumulation), planned
         self.failures_allowed, self.wait_limit_s = failures_allowed, wait_limit_s
         self.size = 0  # the size of the group that runs (or ran last)
         self.scheduled = 0  # the size the controller is starting
@@ -112,17 +114,19 @@ class ElasticWatch(ControllerCallback):
             self._check_wait()
 
     def _started(self) -> None:
-        """A group of ``scheduled`` workers runs: a change of size is recorded and said in one line."""
-        if self.size and self.scheduled != self.size:
+        """A group of ``scheduled`` workers runs: a change of size is recorded and said in one line,
+        the first against the size the plan said (a node lost before any group ran a step)."""
+        before = self.size or self.planned
+        if self.scheduled != before:
             ended, reason = self.ended or (time.time(), "the cluster's capacity changed")
-            change = resizes.add(RunFolder(self.run_dir), ended, self.size, self.scheduled, reason, self.command)
-            steps = (self.accumulation.get(self.size, 0), self.accumulation.get(self.scheduled, 0))
+            change = resizes.add(RunFolder(self.run_dir), ended, before, self.scheduled, reason, self.command)
+            steps = (self.accumulation.get(before, 0), self.accumulation.get(self.scheduled, 0))
             print(f"raytpu: {resizes.line(change, self.global_batch, steps)}", flush=True)
         self.size, self.ended, self.waiting_since = self.scheduled, None, None
 
     def _ended(self, error: Any) -> None:
         kind, reason = cause_of(error)
-        if kind != "starting":
+        if kind != "starting" or self.ended is None:  # a group that cannot start keeps the cause found before
             self.ended = (time.time(), reason)
         if kind in ("lost", "grow"):
             self._look_again()

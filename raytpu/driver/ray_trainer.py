@@ -79,7 +79,9 @@ def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
 
         accumulation = {workers: batch.grad_accum for workers, batch in batch_plans(cfg).items()}
         limit, global_batch = cfg.scaling.node_start_timeout_s, cfg.data.global_batch_size
-        callbacks.append(ElasticWatch(plan.run_dir, plan.facts.command, accumulation, global_batch, failures, limit))
+        planned = plan.batch.workers if plan.batch else max(accumulation)
+        watch = ElasticWatch(plan.run_dir, plan.facts.command, accumulation, planned, global_batch, failures, limit)
+        callbacks.append(watch)
         failures = -1
     run_config = RunConfig(
         name=plan.name,
