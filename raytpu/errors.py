@@ -34,5 +34,9 @@ FIXABLE_MARK = "raytpu-fixable: "
 
 def fixable_line(error: BaseException) -> str | None:
     """The one line that says an error its user fixes (a checkpoint that cannot be written: a full
-    disk, permissions), or None for an error whose traceback helps."""
-    return str(error) if type(error).__name__ == "CheckpointWriteError" else None
+    disk, permissions; or such a line a worker relayed, marked), or None for an error whose
+    traceback helps."""
+    if type(error).__name__ == "CheckpointWriteError":
+        return str(error)
+    text = str(error)
+    return text.removeprefix(FIXABLE_MARK) if text.startswith(FIXABLE_MARK) else None

@@ -6,6 +6,7 @@ left, never as the writer's own message (``unexpected pos 576 vs 534``, a list o
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -36,6 +37,27 @@ def test_every_way_a_checkpoint_writes_says_a_full_disk_in_one_line(tmp_path):
         assert "rerun the same command" in line
 
 
+def test_a_full_disk_anywhere_in_an_error_s_chain_is_the_one_line_and_a_worker_relays_it(tmp_path):
+    """A record the run writes (goodput's, Ray Train's state) that meets a full disk, and the error
+    raised while handling it: one line naming the run folder; relayed by a Ray worker as marked text."""
+    import errno
+
+    from raytpu.errors import FIXABLE_MARK, fixable_line
+    from raytpu.records.checkpoints import full_disk_in
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("cleanup failed too") from None
+    except RuntimeError as exc:
+        found = full_disk_in(exc, tmp_path)
+    assert found is not None and str(found).startswith(f"cannot write the run's records at {tmp_path}: no space left")
+    assert fixable_line(RuntimeError(f"{FIXABLE_MARK}{found}")) == str(found)
+    assert full_disk_in(OSError(errno.EACCES, "Permission denied"), tmp_path) is None
+    assert fixable_line(RuntimeError("a bug")) is None
+
+
 RUN = (
     'mount -t tmpfs -o size=40m tmpfs "$1" && "$2" -m raytpu.cli train --local jobs/mshnet/small.yaml '
     'checkpoint.every_steps=10 loop.max_steps=30 logging.progress_bar=false run.storage_path="$1" data.path="$3" '
@@ -62,4 +84,39 @@ def test_a_local_run_whose_disk_fills_says_one_line_and_resumes_once_there_is_ro
     errors = [line for line in said if line.startswith("raytpu: error:")]
     assert len(errors) == 1 and "no space left on its disk" in errors[0], first
     assert "Traceback" not in first and "[rank" not in first, first
+    assert "resumed from" in done.stdout and "second=0" in done.stdout, done.stdout[-3000:]
+
+
+RAY_RUN = (
+    'mount -t tmpfs -o size=20m tmpfs "$1" && { "$2" -m raytpu.cli train "$3" "--fsdp" full_shard '
+    "scaling.num_workers=2 data.global_batch_size=8 loop.epochs=2 checkpoint.every_steps=4 job.step_sleep=0.5 "
+    'logging.progress_bar=false run.storage_path="$1" 2>"$1.first" & } '
+    '&& while [ ! -f "$1/toy/checkpoint_00000004/meta.json" ] && kill -0 $! 2>/dev/null; do sleep 0.2; done '
+    '&& { dd if=/dev/zero of="$1/filler" bs=1M 2>/dev/null; wait $!; echo "first=$?"; } '
+    '&& rm "$1/filler" && "$2" -m raytpu.cli train "$3" --fsdp full_shard scaling.num_workers=2 '
+    "data.global_batch_size=8 loop.epochs=2 checkpoint.every_steps=4 logging.progress_bar=false "
+    'run.storage_path="$1"; echo "second=$?"'
+)
+
+
+@pytest.mark.integration
+def test_a_sharded_ray_run_whose_disk_fills_says_one_line_and_resumes_once_there_is_room(tmp_path):
+    """The toy job under FSDP2 on 2 workers of its own local Ray instance, its run folder on a 20 MB
+    tmpfs that another program fills after the first checkpoint: the next checkpoint's DCP shards do
+    not fit. The console says it in one line (no traceback), exit 1; once the space is freed, the
+    same command resumes from the first checkpoint and completes."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    config = tmp_path / "toy.yaml"
+    config.write_text(f"job: {{name: tests.toy_job}}\ndata: {{path: {tmp_path}}}\nrun: {{name: toy}}\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray instance
+    command = ["unshare", "-m", "sh", "-c", RAY_RUN, "sh", str(runs), sys.executable, str(config)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if "first=" not in done.stdout:
+        pytest.skip(f"no private mount namespace with a tmpfs here (root is needed): {done.stderr.strip()}")
+    first = (tmp_path / "runs.first").read_text()
+    assert "first=1" in done.stdout, done.stdout[-3000:] + first
+    errors = [line for line in first.splitlines() if line.startswith("raytpu: error:")]
+    assert len(errors) == 1 and "no space left on its disk" in errors[0], first[-3000:]
+    assert "Traceback" not in first, first[-3000:]
     assert "resumed from" in done.stdout and "second=0" in done.stdout, done.stdout[-3000:]

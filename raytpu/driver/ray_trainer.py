@@ -8,6 +8,7 @@ retention rule, ``raytpu.worker.reporting``) and retries (``FailureConfig``) all
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from raytpu.config import Config
 from raytpu.config.plan import Plan, batch_plans, worker_range
 from raytpu.errors import RunFailed, fixable_line
 from raytpu.records.batches import ray_max_failures
+from raytpu.records.checkpoints import full_disk_in
 from raytpu.runtime.kinds import kind_of
 from raytpu.runtime.placement import Bundle
 from raytpu.storage.filesystems import filesystem, is_remote
@@ -236,17 +238,25 @@ def run_plan(plan: Plan) -> Any:
     from raytpu.corpus.feeder import stop_feeders
 
     wait_for_workers(plan)
+    if plan.mode == "train":
+        from raytpu.records.reports import set_aside_unreadable_ray_state
+        from raytpu.storage.run_folder import RunFolder
+
+        warning = set_aside_unreadable_ray_state(RunFolder(plan.run_dir))
+        if warning:
+            print(f"raytpu: {warning}", file=sys.stderr, flush=True)
     try:
         return fit(build_trainer(plan))
     except TrainingFailedError as exc:
-        summary, details = root_cause(exc)
+        summary, details = root_cause(exc, plan.run_dir)
         raise RunFailed(summary, details) from exc
     finally:
         stop_feeders()
 
 
-def root_cause(exc: BaseException) -> tuple[str, str]:
-    """``("rank N: last line of the error", the failing rank's traceback)`` of a failed run."""
+def root_cause(exc: BaseException, run_dir: str = "") -> tuple[str, str]:
+    """``("rank N: last line of the error", the failing rank's traceback)`` of a failed run; a
+    controller that could not write the run's records in ``run_dir`` (a full disk) in one line."""
     failures = getattr(exc, "worker_failures", None)
     if failures:
         rank, error = sorted(failures.items())[0]
@@ -260,5 +270,8 @@ def root_cause(exc: BaseException) -> tuple[str, str]:
         lines = str(cause).strip().splitlines()
         return f"rank {rank}: {lines[-1] if lines else type(cause).__name__}", text
     controller = getattr(exc, "controller_failure", None)
+    full = full_disk_in(controller or exc, run_dir) if run_dir else None
+    if full is not None:  # Ray Train's controller writing the run's state into its folder
+        return f"run failed: {full}", ""
     text = str(controller or exc).strip()
     return f"run failed: {text.splitlines()[-1] if text else type(exc).__name__}", text

@@ -40,6 +40,7 @@ from raytpu.records import goodput
 from raytpu.records import summary as run_summary
 from raytpu.records.checkpoints import META
 from raytpu.records.goodput import Command
+from raytpu.records.reports import RAY_TRAIN_STATE
 from raytpu.records.summary import CHECKPOINT_NAME
 from raytpu.records.trackers import TRACKERS, quick_mlflow_requests
 from raytpu.runtime.placement import concurrent_fits
@@ -74,8 +75,6 @@ FLAGS = {
 POINTER = "raytpu_checkpoint.json"
 #: a trial's record of the checkpoints of other trials it went on from (population-based training)
 EXPLOITS = "exploits.json"
-#: what Ray Train keeps of a run's checkpoints, read when a run of that name starts again
-RAY_TRAIN_STATE = "checkpoint_manager_snapshot.json"
 
 
 # ------------------------------------------------------------------ trials

@@ -93,6 +93,20 @@ class CheckpointWriteError(RuntimeError):
         return None
 
 
+def full_disk_in(error: BaseException, where: str | Path) -> CheckpointWriteError | None:
+    """A full disk anywhere in ``error``'s chain (its causes and the errors it was raised while
+    handling) as the one-line error of a write under ``where`` (the run folder: a JSON record, the
+    goodput record, Ray Train's own state), or None; a failed checkpoint write says its own."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, CheckpointWriteError):
+            return seen
+        if isinstance(seen, OSError) and (seen.errno == errno.ENOSPC or "No space left" in str(seen)):
+            return CheckpointWriteError(where, space_left(where), "the run's records")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 #: what torch.save's C++ writer says when a write failed (a full disk, most often)
 TORCH_WRITE_FAILURES = ("unexpected pos", "file write failed", "PytorchStreamWriter failed")
 #: free bytes under which a failed torch.save is taken for a full disk

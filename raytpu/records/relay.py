@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from raytpu.records.reports import RAY_TRAIN_STATE
 from raytpu.storage.run_folder import RunFolder
 
 #: environment variable naming the run's launch-state actor inside a launched script
@@ -117,10 +118,10 @@ class LaunchState:
 
 def checkpoint_names(run_dir: RunFolder) -> list[str]:
     """The checkpoint folders a run already has: in its folder, and in the list Ray Train keeps
-    of them (``checkpoint_manager_snapshot.json``), which may name one a crash left unwritten."""
+    of them (:data:`~raytpu.records.reports.RAY_TRAIN_STATE`), which may name one a crash left unwritten."""
     names = run_dir.children()
     try:
-        snapshot = json.loads(run_dir.read_text("checkpoint_manager_snapshot.json") or "{}")
+        snapshot = json.loads(run_dir.read_text(RAY_TRAIN_STATE) or "{}")
         names += [str(result.get("checkpoint_dir_name", "")) for result in snapshot.get("checkpoint_results", [])]
     except (OSError, ValueError, AttributeError):
         pass  # an unreadable snapshot: Ray Train itself reports it when the run starts

@@ -23,6 +23,8 @@ REPORT = "report.json"
 
 #: the run's checkpoint folders (``checkpoint_<step>``; not Ray's ``checkpoint_manager_snapshot.json``)
 CHECKPOINT_NAME = re.compile(r"^checkpoint_\d+$")
+#: what Ray Train keeps of a run's checkpoints, read when a run of that name starts again
+RAY_TRAIN_STATE = "checkpoint_manager_snapshot.json"
 
 
 @dataclass(frozen=True)
@@ -75,3 +77,24 @@ def read_report(directory: Path) -> dict[str, Any]:
 def complete(root: Path) -> list[Path]:
     """The complete checkpoints of the run folder ``root``, oldest first."""
     return sorted(p for p in checkpoint_dirs(root) if is_complete(p))
+
+
+def set_aside_unreadable_ray_state(folder: Any) -> str | None:
+    """Ray Train writes :data:`RAY_TRAIN_STATE` in place: a full disk leaves it cut short, and Ray
+    Train then refuses to start a run of that name. Such a record is renamed aside (the run resumes
+    from the checkpoints of its folder, as a run without one does); the warning that says so, or None."""
+    text = folder.read_text(RAY_TRAIN_STATE)
+    if text is None:
+        return None
+    try:
+        json.loads(text)
+        return None
+    except ValueError:
+        pass
+    aside = f"{RAY_TRAIN_STATE}.unreadable"
+    folder.write_text(aside, text)
+    folder.remove(RAY_TRAIN_STATE)
+    return (
+        f"warning: Ray Train's list of this run's checkpoints ({RAY_TRAIN_STATE}) was cut short (a full "
+        f"disk?): set aside as {aside}; resuming from the checkpoints in the run folder"
+    )

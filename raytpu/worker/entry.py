@@ -28,7 +28,7 @@ from raytpu.errors import FIXABLE_MARK, WorkerFailed, fixable_line
 from raytpu.job import load_job
 from raytpu.records import devices
 from raytpu.records.batches import EXIT_BATCH_REDUCED
-from raytpu.records.checkpoints import save_json
+from raytpu.records.checkpoints import full_disk_in, save_json
 from raytpu.records.goodput import Command
 from raytpu.runtime.kinds import kind_of
 from raytpu.storage.run_folder import RunFolder
@@ -114,7 +114,10 @@ def ray_entry(plan_values: dict[str, Any]) -> None:
     reporter = RayReporter(plan.run_dir, seat.rank, seat.world, plan.facts.stop)
     try:
         work(plan, seat, reporter, {name: ray.train.get_dataset_shard(name) for name in plan.datasets})
-    except Exception:  # the driver prints the traceback once, then its one line
+    except Exception as exc:  # the driver prints the traceback once, then its one line
+        fixable = fixable_line(full_disk_in(exc, plan.run_dir) or exc)
+        if fixable is not None:  # the line alone: no traceback helps with a full disk
+            raise WorkerFailed(f"{FIXABLE_MARK}{fixable}") from None
         raise WorkerFailed(traceback.format_exc().rstrip()) from None
 
 
@@ -157,7 +160,7 @@ def local_entry(plan_path: str) -> None:
         sys.stdout.flush()
         os._exit(EXIT_BATCH_REDUCED)
     except Exception as exc:
-        fixable = fixable_line(exc)
+        fixable = fixable_line(full_disk_in(exc, plan.run_dir) or exc)
         if fixable is None:
             raise
         print(f"{FIXABLE_MARK}{fixable}", file=sys.stderr, flush=True)  # the driver says it, once
