@@ -66,6 +66,23 @@ def test_commands_and_attempts_add_up_to_the_wall_time_with_restarts_lost():
                           "shutdown": 5.0}  # fmt: skip
     assert result["wall_s"] == 75 + 30 and result["goodput"] == pytest.approx(60 / 105)
     assert goodput.summary_line({**record, **result}).startswith("57.1% of 105.0 s (startup 15.0 s, compilation 3.0")
+    # the resuming command alone, as its console line says it beside the run's: 16 of its 30 s productive
+    second = goodput.command_summary(record, goodput.Command("b", 100.0))
+    assert second.startswith("53.3% of 30.0 s (startup 5.0 s, compilation 0.0 s, input 0.0 s, evaluation 4.0 s")
+
+
+def test_a_command_s_start_up_splits_at_its_first_attempt_s_marks():
+    marks = {"process": 104.0, "clock": 106.5, "built": 109.0, "resumed": 109.5}
+    attempt = {"first_step": 110.0, "recorded": 125.0, "final": True, "seconds": {}, "marks": marks}
+    command = {"id": "c", "started": 100.0, "ended": 130.0, "outcome": "completed", "attempts": [attempt]}
+    parts = goodput.startup_parts(command)
+    assert parts == {"driver": 4.0, "worker set-up": 2.5, "build": 2.5, "resume": 0.5, "first step": 0.5}
+    assert sum(parts.values()) == goodput.command_breakdown(command)["startup"]
+    clock = timing.StepClock(None, goodput.Command("c", time.time()))
+    clock.mark("built")
+    clock.step_started()
+    clock.mark("late")  # after the first step: not start-up
+    assert set(clock.attempt(final=False)["marks"]) == {"process", "clock", "built"}
 
 
 def test_an_attempt_recorded_inside_a_phase_counts_the_phase_up_to_then():

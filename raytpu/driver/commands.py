@@ -42,7 +42,7 @@ from raytpu.driver import preflight
 from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunFailed
 from raytpu.job import Job
-from raytpu.records import devices, goodput
+from raytpu.records import devices, goodput, resizes
 from raytpu.records import summary as run_summary
 from raytpu.records.batches import recorded_text
 from raytpu.records.goodput import Command
@@ -261,8 +261,24 @@ def train(
     found = recorded_text(folder, plan.batch.global_batch)
     ran = devices.read(folder)
     lines = [*summary.lines(found), *([f"ran as:            {devices.line(ran)}"] if ran else [])]
-    print("\n".join([*lines, f"goodput:           {goodput.summary_line(record)}"]), flush=True)
+    print("\n".join([*lines, *goodput_lines(folder, record, command)]), flush=True)
     return summary
+
+
+def goodput_lines(folder: RunFolder, record: dict[str, Any], command: Command) -> list[str]:
+    """The goodput of the run (of a run resumed by this command, this command's, then the run's),
+    and where this command's start-up went."""
+    count = len(record["commands"])
+    parts = goodput.startup_parts(goodput.find_command(record, command))
+    startup = [f"start-up:          {', '.join(f'{part} {s:.1f} s' for part, s in parts.items())}"] if parts else []
+    if count == 1:
+        return [f"goodput:           {goodput.summary_line(record)}", *startup]
+    changes = [change["ended"] for change in resizes.read(folder)]
+    return [
+        f"goodput:           {goodput.command_summary(record, command, changes)}, this command",
+        f"                   {goodput.summary_line(record)}, the run's {count} commands",
+        *startup,
+    ]
 
 
 def stopped_line(summary: RunSummary) -> str:

@@ -125,8 +125,17 @@ def breakdown(record: dict[str, Any], resized: list[float] | tuple[float, ...] =
     for command in record["commands"]:
         for name, seconds in command_breakdown(command, resized).items():
             totals[name] += seconds
+    return shares(totals)
+
+
+def shares(totals: dict[str, float]) -> dict[str, Any]:
     wall = sum(totals.values())
     return {"wall_s": wall, "goodput": totals["productive"] / wall if wall > 0 else 0.0, "categories": totals}
+
+
+def command_summary(record: dict[str, Any], command: Command, resized: list[float] | tuple[float, ...] = ()) -> str:
+    """:func:`summary_line` of ``command`` alone (a resumed run's record holds every command's)."""
+    return summary_line(shares(command_breakdown(find_command(record, command), resized)))
 
 
 def command_breakdown(command: dict[str, Any], resized: list[float] | tuple[float, ...] = ()) -> dict[str, float]:
@@ -154,6 +163,28 @@ def command_breakdown(command: dict[str, Any], resized: list[float] | tuple[floa
     after = max(ended - attempts[-1]["recorded"], 0.0)
     totals["shutdown" if attempts[-1]["final"] else "lost"] += after
     return totals
+
+
+#: a command's start-up in parts, each ending at a mark of its first attempt (rank 0's process
+#: started; its clock made; the model built; the checkpoint read) and the last at its first step
+STARTUP_PARTS = {"process": "driver", "clock": "worker set-up", "built": "build", "resumed": "resume"}
+
+
+def startup_parts(command: dict[str, Any]) -> dict[str, float]:
+    """Where a command's start-up went: ``driver`` (its imports, the plan, Ray, the workers'
+    start), ``worker set-up`` (imports, process group, runtime), ``build`` (data, model,
+    optimizer), ``resume`` (a checkpoint read) and ``first step`` (loggers, trackers, the first
+    batch), from its first attempt's marks; {} where it has none."""
+    attempts = sorted(command["attempts"], key=lambda a: a["first_step"])
+    marks = attempts[0].get("marks", {}) if attempts else {}
+    parts, before = {}, command["started"]
+    for mark, part in STARTUP_PARTS.items():
+        if mark in marks:
+            parts[part] = max(marks[mark] - before, 0.0)
+            before = marks[mark]
+    if parts:
+        parts["first step"] = max(attempts[0]["first_step"] - before, 0.0)
+    return parts
 
 
 def summary_line(record: dict[str, Any]) -> str:

@@ -199,7 +199,9 @@ class Trainer:
     # ------------------------------------------------------------- train
     def fit(self) -> dict[str, float]:
         self._build()
+        self.clock.mark("built")
         self._resume()
+        self.clock.mark("resumed")
         cfg = self.cfg
         trackers = self._open_trackers()
         self.logger = RunLogger(

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from raytpu.records.goodput import Command, record_attempt
+from raytpu.records.goodput import Command, process_started, record_attempt
 from raytpu.storage.run_folder import RunFolder
 
 #: the phases rank 0 times inside the training loop
@@ -44,6 +44,14 @@ class StepClock:
         self._step_start = 0.0
         self._open_phase: tuple[str, float] | None = None
         self._compiled_seen = self._compile_seconds()
+        # the attempt's start-up, split: its process started, then this clock (imports, process group,
+        # runtime done), then each of the loop's marks (:meth:`mark`); the first step ends it
+        self.marks = {"process": process_started(), "clock": time.time()}
+
+    def mark(self, name: str) -> None:
+        """A moment of the attempt's start-up (the model built, the checkpoint resumed)."""
+        if self.first_step is None:
+            self.marks[name] = time.time()
 
     def _compile_seconds(self) -> float:
         return float(self.compiled() or 0.0) if self.compiled is not None else 0.0
@@ -106,6 +114,7 @@ class StepClock:
             "steps": len(self.step_times),
             "workers": self.workers,
             "seconds": {**seconds, "compilation": self.compilation()},
+            "marks": self.marks,
         }
 
     def record(self, final: bool = False) -> None:
