@@ -133,8 +133,8 @@ def export(
 ) -> Path:
     """``raytpu export``: write ``checkpoint`` (``best``, ``latest``, a folder or a weights file) in
     its ecosystem's format (a Transformers folder for the causal LM) to ``out``; returns ``out``."""
-    from raytpu.driver.export import export as write
     from raytpu.driver.listing import NAMED, resolve_checkpoint
+    from raytpu.driver.listing import export as write
 
     with user_errors():
         cfg, job, origins = config_of(config, overrides, job, [])

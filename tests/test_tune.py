@@ -18,14 +18,8 @@ import pytest
 from raytpu import cli
 from raytpu.config import ConfigError, load_config, with_values
 from raytpu.driver.search import Search, mutations_of, parse_search, searches_of
-from raytpu.driver.tune import (
-    format_table,
-    max_concurrent_trials,
-    reports_per_trial,
-    scaled_lr,
-    split_flags,
-    trial_config,
-)
+from raytpu.driver.trial import scaled_lr, trial_config
+from raytpu.driver.tune import format_table, max_concurrent_trials, reports_per_trial, split_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "jobs/mshnet/small.yaml")
@@ -312,7 +306,7 @@ def test_an_interrupted_optuna_sweep_resumes_its_search_without_rerunning_finish
     from ray import tune
     from ray.tune.search.optuna import OptunaSearch
 
-    from raytpu.driver.tune import tpe_sampler
+    from raytpu.driver.search import tpe_sampler
     from raytpu.storage.run_folder import RunFolder
     from tests.stores import BUCKET
 

@@ -1,16 +1,21 @@
-"""Search spaces of ``raytpu tune``: ``KEY=DOMAIN(ARGS)`` strings parsed, checked against the
-config before any trial starts, and turned into Ray Tune domains."""
+"""How ``raytpu tune`` searches: search spaces (``KEY=DOMAIN(ARGS)`` strings parsed, checked
+against the config before any trial starts, and turned into Ray Tune domains), the search
+algorithm and the trial scheduler."""
 
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raytpu.config import Config, ConfigError, with_values
 from raytpu.config.plan import Plan
 from raytpu.config.validation import validate
 from raytpu.job import Job
+
+if TYPE_CHECKING:
+    from raytpu.driver.tune import Sweep
 
 #: domain name -> number of arguments (None = one or more)
 DOMAINS: dict[str, int | None] = {"choice": None, "grid": None, "uniform": 2, "loguniform": 2, "randint": 2}
@@ -218,3 +223,55 @@ def within_memory(searches: list[Search], plan: Plan, job: Job) -> list[Search]:
 def say_notes(notes: list[str]) -> None:
     for note in notes:
         print(f"raytpu: {note}", flush=True)
+
+
+#: the loop's cumulative report counter: ASHA's time unit, unlike Tune's
+#: ``training_iteration`` it does not restart when a resumed trial reruns its driver
+REPORT_COUNT = "report"
+
+
+def search_algorithm(sweep: Sweep) -> Any:
+    """``tune.search_alg``: None for Tune's random and grid sampling; Optuna's TPE (:func:`tpe_sampler`),
+    learning from every finished trial (its state is saved with the sweep, so the same command
+    resumes the same search)."""
+    if sweep.cfg.tune.search_alg != "optuna":
+        return None
+    import optuna
+    from ray.tune.search.optuna import OptunaSearch
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return OptunaSearch(sampler=tpe_sampler(sweep.cfg.run.seed, sweep.cfg.tune.num_samples))
+
+
+def tpe_sampler(seed: int, trials: int) -> Any:
+    """Optuna's TPE, seeded, drawing its first trials at random: a third of the sweep's, 2 to 10
+    (Optuna's own 10 would leave a small sweep nothing to learn from)."""
+    import optuna
+
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(2, trials // 3)))
+
+
+def trial_scheduler(sweep: Sweep) -> Any:
+    """``tune.scheduler``: ASHA stops the poor trials at its rungs (the loop's report count its
+    time), FIFO runs every trial to its end, PBT has the poor ones go on from a better one's
+    checkpoint with perturbed values every ``tune.perturbation_interval`` reports."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+
+    tc = sweep.cfg.tune
+    if tc.scheduler == "asha":
+        return ASHAScheduler(
+            time_attr=REPORT_COUNT,
+            max_t=sweep.max_t,
+            grace_period=tc.grace_period,
+            reduction_factor=tc.reduction_factor,
+        )
+    if tc.scheduler == "pbt":
+        # Tune's advice to reuse actors is for class trainables: a trial here is a TorchTrainer's driver
+        warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
+        return PopulationBasedTraining(
+            time_attr=REPORT_COUNT,
+            perturbation_interval=tc.perturbation_interval,
+            hyperparam_mutations={mutation.key: mutation.domain() for mutation in sweep.mutations},
+            quantile_fraction=tc.quantile_fraction,
+        )
+    return FIFOScheduler()
