@@ -12,6 +12,9 @@ FLOPs per sample (:meth:`raytpu.job.Job.flops_per_sample`); the runtime knows th
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from torch import nn
 
 
@@ -67,3 +70,34 @@ def perf_scalars(
     if flops_per_sample and peak_flops:
         values["perf/mfu"] = mfu(flops_per_sample, samples_per_s, peak_flops)
     return values
+
+
+class Throughput:
+    """A run's ``perf/`` scalars at each log step, from the time since the last one: what the job
+    declares (its FLOPs and tokens per sample) against the peak of the run's devices (every worker
+    drives the same devices). ``note``: why there is no MFU on an accelerator without a known peak."""
+
+    def __init__(self, job: Any, cfg: Any, model: nn.Module, runtime: Any) -> None:
+        from raytpu.job import CountsFlops, CountsTokens
+
+        self.global_batch = cfg.data.global_batch_size
+        self.flops_per_sample = job.flops_per_sample(cfg, model) if isinstance(job, CountsFlops) else None
+        self.tokens_per_sample = job.tokens_per_sample(cfg) if isinstance(job, CountsTokens) else None
+        worker_peak = runtime.peak_flops()
+        self.peak_flops = worker_peak * runtime.world_size if worker_peak else None
+        missing = self.flops_per_sample and not self.peak_flops and runtime.on_accelerator()
+        self.note = f"note: no documented bf16 peak for {runtime.device_kind()!r}, so no perf/mfu" if missing else ""
+        self.since(0)
+
+    def since(self, step: int) -> None:
+        """Time the next log from now, at ``step`` (an epoch's start: its set-up is not a step's)."""
+        self._last = (time.perf_counter(), step)
+
+    def scalars(self, step: int) -> dict[str, float]:
+        now = time.perf_counter()
+        then, then_step = self._last
+        self._last = (now, step)
+        step_time = (now - then) / max(step - then_step, 1)
+        return perf_scalars(
+            self.global_batch, step_time, self.flops_per_sample, self.tokens_per_sample, self.peak_flops
+        )

@@ -17,7 +17,6 @@ import math
 import random
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,18 +28,7 @@ import torch
 from raytpu.config import Config, dump_yaml, to_dict
 from raytpu.corpus.feeder import feeder_name
 from raytpu.hooks import Callback, load_callbacks
-from raytpu.job import (
-    Batch,
-    CountsFlops,
-    CountsTokens,
-    CustomTest,
-    DrawsImages,
-    HasCallbacks,
-    Job,
-    StepContext,
-    WritesText,
-    in_warmup,
-)
+from raytpu.job import Batch, CustomTest, DrawsImages, HasCallbacks, Job, StepContext, WritesText, in_warmup
 from raytpu.records import checkpoints as ckpt
 from raytpu.records.goodput import Command
 from raytpu.records.resizes import Regrow
@@ -49,7 +37,7 @@ from raytpu.runtime.base import Runtime
 from raytpu.storage.run_folder import RunFolder, local_copy
 from raytpu.worker.cadence import Cadence, Scoreboard
 from raytpu.worker.data import WorkerData, make_worker_data
-from raytpu.worker.flops import perf_scalars
+from raytpu.worker.flops import Throughput
 from raytpu.worker.logger import RunLogger, watch_grad_norm
 from raytpu.worker.optim import EMA, EMASchedule, base_lr_at, build_optimizer, build_scheduler
 from raytpu.worker.reporting import Reporter
@@ -104,13 +92,9 @@ class Trainer:
         self.total_steps = 0
         self.scoreboard = Scoreboard(cfg, job, runtime)
         self._stop_reason: str | None = None
-        self._last_log = (time.perf_counter(), 0)
         self._restored_metrics: dict[str, float] = {}
         self._preemption_saved = False
-        # throughput accounting (raytpu.worker.flops), set by _build: what the job declares, the run's peak
-        self.flops_per_sample: float | None = None
-        self.tokens_per_sample: int | None = None
-        self.peak_flops: float | None = None
+        self.throughput: Throughput | None = None  # set by _build (raytpu.worker.flops)
         self.command_id = command.id if command is not None else ""
         self.checkpointer = Checkpointer(runtime, job.name, to_dict(cfg), self.command_id)
         recorded = runtime.is_main and command is not None  # rank 0 of a command's run keeps the record
@@ -140,7 +124,9 @@ class Trainer:
             self.total_steps, cfg.checkpoint.every_steps, cfg.loop.eval_every_epochs, cfg.loop.eval_every_steps
         )
         model = self.job.build_model(cfg)
-        self._count_throughput(model)
+        self.throughput = Throughput(self.job, cfg, model, rt)
+        if self.throughput.note:
+            self._message(self.throughput.note)
         if cfg.checkpoint.weights:
             model.load_state_dict(ckpt.load_model_weights(cfg.checkpoint.weights), strict=True)
         self.model = rt.prepare_model(model, in_warmup(self.job, cfg, 0), cfg.loop.sync_batchnorm)
@@ -151,19 +137,6 @@ class Trainer:
         self.ema_schedule = EMASchedule.from_loop(cfg.loop)
         self.loss_total = torch.zeros((), device=rt.device)  # the sum of every step's loss since the start
         self.scoreboard.reset_loss()
-
-    def _count_throughput(self, model: torch.nn.Module) -> None:
-        """The job's FLOPs and tokens per sample, and the peak FLOP/s of the whole run (every
-        worker drives the same devices), for ``perf/tokens_per_s`` and ``perf/mfu``."""
-        rt = self.runtime
-        if isinstance(self.job, CountsFlops):
-            self.flops_per_sample = self.job.flops_per_sample(self.cfg, model)
-        if isinstance(self.job, CountsTokens):
-            self.tokens_per_sample = self.job.tokens_per_sample(self.cfg)
-        worker_peak = rt.peak_flops()
-        self.peak_flops = worker_peak * rt.world_size if worker_peak else None
-        if self.flops_per_sample and not self.peak_flops and rt.on_accelerator():
-            self._message(f"note: no documented bf16 peak for {rt.device_kind()!r}, so no perf/mfu")
 
     @property
     def state(self) -> TrainState:
@@ -253,7 +226,7 @@ class Trainer:
             unused = in_warmup(self.job, self.cfg, p.epoch)  # a warm-up leaves some parameters without gradient
             self.model = self.runtime.track_unused_parameters(self.model, unused)
             self.model.train()
-            self._last_log = (time.perf_counter(), p.step)
+            self.throughput.since(p.step)
             for index in range(done_in_epoch, self.steps_per_epoch):
                 self._step(batches, index - done_in_epoch)
                 epoch_ended = index == self.steps_per_epoch - 1
@@ -344,7 +317,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if self.ema is not None:
-            self._update_ema(self.ema_schedule.weight(p.step))
+            self.ema.step(rt.unwrap(self.model), self.ema_schedule.weight(p.step), rt.static_graph, rt.device)
         loss_mean = loss_sum.float() / accum if accum > 1 else loss_sum.float()
         self.scoreboard.add_loss(loss_mean)
         self.loss_total = self.loss_total + loss_mean  # one non-finite loss keeps it non-finite: the stop check
@@ -352,18 +325,6 @@ class Trainer:
             extras = {k: v.detach().float() for k, v in extra.items() if k != "loss"}
             self._stats = torch.stack([loss_mean, grad_norm.float(), self.loss_total, *extras.values()])
             self._stat_names = ["loss", "grad_norm", "loss_total", *extras]
-
-    def _update_ema(self, weight: float) -> None:
-        """The EMA update of this step (``weight`` 0: none is due). On static-graph runtimes (XLA)
-        every step updates, with the weight as a tensor input of the graph (0 when not due), so
-        that one compiled step serves every step of the schedule. It travels as a 1-element
-        tensor: torch_xla bakes a 0-d tensor holding 0 or 1 into the graph as a constant, which
-        would compile the copy and skip steps apart from the ramped ones."""
-        model = self.runtime.unwrap(self.model)
-        if self.runtime.static_graph:
-            self.ema.update(model, torch.tensor([weight]).to(self.runtime.device).reshape(()))
-        elif weight:
-            self.ema.update(model, weight)
 
     def _log(self, stats: torch.Tensor, step: int, lr: float) -> None:
         """The step closure of a log step: its values, read back once the step's graph ran."""
@@ -377,16 +338,10 @@ class Trainer:
         warning = watch_grad_norm(values["grad_norm"], step, cfg.loop.grad_norm_warn_high, cfg.loop.grad_norm_warn_low)
         if warning:
             self._message(f"warning: {warning}")
-        now = time.perf_counter()
-        then, then_step = self._last_log
-        step_time = (now - then) / max(step - then_step, 1)
-        self._last_log = (now, step)
         scalars = {f"train/{k}": v for k, v in values.items()}
         scalars.update({"train/lr": lr, "train/epoch": float(self.progress.epoch)})
         scalars["scaling/workers"] = float(self.runtime.world_size)
-        perf = perf_scalars(
-            cfg.data.global_batch_size, step_time, self.flops_per_sample, self.tokens_per_sample, self.peak_flops
-        )
+        perf = self.throughput.scalars(step)
         scalars.update(perf)
         scalars.update(self.runtime.metrics())
         self.logger.scalars(scalars, step)

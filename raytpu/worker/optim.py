@@ -170,3 +170,14 @@ class EMA:
             torch._foreach_lerp_(ema_params, params, weight)
         for ema_buffer, buffer in zip(self.model.buffers(), model.buffers()):
             ema_buffer.copy_(buffer)
+
+    def step(self, model: nn.Module, weight: float, static_graph: bool, device: torch.device) -> None:
+        """A training step's update (``weight`` 0: none is due). On a static-graph runtime (XLA)
+        every step updates, with the weight as a tensor input of the graph (0 when not due), so
+        that one compiled step serves every step of the schedule. It travels as a 1-element
+        tensor: torch_xla bakes a 0-d tensor holding 0 or 1 into the graph as a constant, which
+        would compile the copy and skip steps apart from the ramped ones."""
+        if static_graph:
+            self.update(model, torch.tensor([weight]).to(device).reshape(()))
+        elif weight:
+            self.update(model, weight)
