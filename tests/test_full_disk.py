@@ -39,7 +39,8 @@ def test_every_way_a_checkpoint_writes_says_a_full_disk_in_one_line(tmp_path):
 
 def test_a_full_disk_anywhere_in_an_error_s_chain_is_the_one_line_and_a_worker_relays_it(tmp_path):
     """A record the run writes (goodput's, Ray Train's state) that meets a full disk, and the error
-    raised while handling it: one line naming the run folder; relayed by a Ray worker as marked text."""
+    raised while handling it: one line naming the run folder and, once the run has a checkpoint, the
+    room the next one needs; relayed by a Ray worker as marked text."""
     import errno
 
     from raytpu.errors import FIXABLE_MARK, fixable_line
@@ -55,6 +56,12 @@ def test_a_full_disk_anywhere_in_an_error_s_chain_is_the_one_line_and_a_worker_r
     assert found is not None and str(found).startswith(f"cannot write the run's records at {tmp_path}: no space left")
     assert fixable_line(RuntimeError(f"{FIXABLE_MARK}{found}")) == str(found)
     assert full_disk_in(OSError(errno.EACCES, "Permission denied"), tmp_path) is None
+    kept = tmp_path / "checkpoint_00000010"  # a complete checkpoint: the next one needs about as much
+    kept.mkdir()
+    (kept / "meta.json").write_text("{}")
+    (kept / "model.safetensors").write_bytes(bytes(3 * 2**20))
+    said = str(full_disk_in(OSError(errno.ENOSPC, "No space left"), tmp_path / "checkpoint_00000020" / "rng"))
+    assert "MB free; a checkpoint takes about 3 MB)" in said, said
     assert fixable_line(RuntimeError("a bug")) is None
 
 

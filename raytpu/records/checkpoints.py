@@ -125,9 +125,24 @@ def free_bytes(where: str | Path) -> int:
 
 
 def space_left(where: str | Path) -> str:
+    """What is left at ``where``, and, in a run folder that has a complete checkpoint, about how
+    much the next one needs (the newest one's size)."""
     free = free_bytes(where)
-    known = f" ({free / 2**20:.0f} MB free)" if free < 2**62 else ""
-    return f"no space left on its disk{known}"
+    known = [f"{free / 2**20:.0f} MB free"] if free < 2**62 else []
+    needed = last_checkpoint_bytes(where)
+    known += [f"a checkpoint takes about {needed / 2**20:.0f} MB"] if needed else []
+    return f"no space left on its disk ({'; '.join(known)})" if known else "no space left on its disk"
+
+
+def last_checkpoint_bytes(where: str | Path) -> int:
+    """The size of the newest complete checkpoint of the run folder at or above ``where`` (a
+    checkpoint folder or a file in one; 0 where there is none, or the folder is in a bucket)."""
+    path = Path(where)
+    for folder in (path, *list(path.parents)[:3]):
+        found = [c for c in sorted(folder.glob("checkpoint_*")) if c != path and (c / META).is_file()]
+        if found:
+            return sum(f.stat().st_size for f in found[-1].rglob("*") if f.is_file())
+    return 0
 
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
