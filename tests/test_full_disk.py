@@ -5,10 +5,13 @@ left, never as the writer's own message (``unexpected pos 576 vs 534``, a list o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -94,36 +97,52 @@ def test_a_local_run_whose_disk_fills_says_one_line_and_resumes_once_there_is_ro
     assert "resumed from" in done.stdout and "second=0" in done.stdout, done.stdout[-3000:]
 
 
-RAY_RUN = (
-    'mount -t tmpfs -o size=20m tmpfs "$1" && { "$2" -m raytpu.cli train "$3" "--fsdp" full_shard '
-    "scaling.num_workers=2 data.global_batch_size=8 loop.epochs=2 checkpoint.every_steps=4 job.step_sleep=0.5 "
-    'logging.progress_bar=false run.storage_path="$1" 2>"$1.first" & } '
-    '&& while [ ! -f "$1/toy/checkpoint_00000004/meta.json" ] && kill -0 $! 2>/dev/null; do sleep 0.2; done '
-    '&& { dd if=/dev/zero of="$1/filler" bs=1M 2>/dev/null; wait $!; echo "first=$?"; } '
-    '&& rm "$1/filler" && "$2" -m raytpu.cli train "$3" --fsdp full_shard scaling.num_workers=2 '
-    "data.global_batch_size=8 loop.epochs=2 checkpoint.every_steps=4 logging.progress_bar=false "
-    'run.storage_path="$1"; echo "second=$?"'
-)
+#: the toy job under FSDP2 on 2 workers: 16 steps, a checkpoint every 4
+SHARDED_TOY = ["--fsdp", "full_shard", "scaling.num_workers=2", "data.global_batch_size=8", "loop.epochs=2",
+               "checkpoint.every_steps=4", "logging.progress_bar=false"]  # fmt: skip
+
+
+def fill(path: Path) -> None:
+    """Another program's file, written until the disk is full."""
+    with contextlib.suppress(OSError), path.open("wb") as out:
+        while True:
+            out.write(bytes(2**20))
+            out.flush()
 
 
 @pytest.mark.integration
-def test_a_sharded_ray_run_whose_disk_fills_says_one_line_and_resumes_once_there_is_room(tmp_path):
-    """The toy job under FSDP2 on 2 workers of its own local Ray instance, its run folder on a 20 MB
-    tmpfs that another program fills after the first checkpoint: the next checkpoint's DCP shards do
-    not fit. The console says it in one line (no traceback), exit 1; once the space is freed, the
-    same command resumes from the first checkpoint and completes."""
+def test_a_sharded_ray_run_whose_disk_fills_says_one_line_and_resumes_once_there_is_room(ray_session, tmp_path):
+    """The toy job under FSDP2 on 2 Ray workers, its run folder on a 20 MB tmpfs that another
+    program fills after the first checkpoint: the next checkpoint's DCP shards (or another record
+    of the run) do not fit. The console says it in one line (no traceback), exit 1; once the space
+    is freed, the same command resumes from the first checkpoint and completes."""
     runs = tmp_path / "runs"
     runs.mkdir()
-    config = tmp_path / "toy.yaml"
-    config.write_text(f"job: {{name: tests.toy_job}}\ndata: {{path: {tmp_path}}}\nrun: {{name: toy}}\n")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray instance
-    command = ["unshare", "-m", "sh", "-c", RAY_RUN, "sh", str(runs), sys.executable, str(config)]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if "first=" not in done.stdout:
-        pytest.skip(f"no private mount namespace with a tmpfs here (root is needed): {done.stderr.strip()}")
-    first = (tmp_path / "runs.first").read_text()
-    assert "first=1" in done.stdout, done.stdout[-3000:] + first
-    errors = [line for line in first.splitlines() if line.startswith("raytpu: error:")]
-    assert len(errors) == 1 and "no space left on its disk" in errors[0], first[-3000:]
-    assert "Traceback" not in first, first[-3000:]
-    assert "resumed from" in done.stdout and "second=0" in done.stdout, done.stdout[-3000:]
+    mount = ["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(runs)]  # seen by the session's Ray workers
+    mounted = subprocess.run(mount, capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"no tmpfs can be mounted here (root is needed): {mounted.stderr.strip()}")
+    try:
+        config = tmp_path / "toy.yaml"
+        config.write_text(f"job: {{name: tests.toy_job}}\ndata: {{path: {tmp_path}}}\nrun: {{name: toy}}\n")
+        address = ray_session.get_runtime_context().gcs_address
+        command = [sys.executable, "-m", "raytpu.cli", "train", str(config), *SHARDED_TOY, f"run.storage_path={runs}"]
+        command += ["--address", address]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        first = subprocess.Popen([*command, "job.step_sleep=0.5"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
+        checkpointed = runs / "toy" / "checkpoint_00000004" / "meta.json"
+        deadline = time.monotonic() + 600  # a guard against a hang only
+        while not checkpointed.is_file() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        fill(runs / "filler")
+        out, err = first.communicate(timeout=600)
+        (runs / "filler").unlink()
+        second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        subprocess.run(["umount", "-l", str(runs)], capture_output=True)
+    assert first.returncode == 1, out[-3000:] + err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("raytpu: error:")]
+    assert len(errors) == 1 and "no space left on its disk" in errors[0], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert second.returncode == 0 and "resumed from" in second.stdout, second.stdout[-3000:] + second.stderr[-3000:]
