@@ -35,6 +35,8 @@ COMMON = ["scaling.num_workers=2", "data.global_batch_size=8", "loop.epochs=3", 
           "job.item_sleep=0.01", "job.checkpoint_sleep=0.4"]  # fmt: skip
 #: what rank 0 of the uninterrupted run must show in each category: 24 steps, 3 checkpoints
 INJECTED = {"productive": 24 * 0.3, "input": 24 * 4 * 0.01, "checkpointing": 3 * 0.4}
+#: the sleeps behind each: each may overshoot by a few milliseconds on a busy VM (its timer's slack)
+SLEEPS = {"productive": 24, "input": 24 * 4, "checkpointing": 3}
 #: every evaluation reports the same mse, whatever the weights
 TIE = ["job.constant_metric=0.5"]
 #: the same run without its delays: what it computes, not how long it takes
@@ -125,7 +127,7 @@ def test_the_goodput_breakdown_has_each_delay_in_its_category_and_adds_up_to_the
     record = goodput(tmp_path / "results" / "straight")
     categories = record["categories"]
     for name, seconds in INJECTED.items():
-        assert seconds <= categories[name] <= 1.1 * seconds, (name, categories)
+        assert seconds <= categories[name] <= 1.1 * seconds + 0.003 * SLEEPS[name], (name, categories)
     assert record["wall_s"] == pytest.approx(wall, rel=0.02)
     assert sum(categories.values()) == pytest.approx(record["wall_s"], rel=1e-9)
     assert categories["startup"] > 5 and categories["lost"] == 0, categories  # Ray and two workers
