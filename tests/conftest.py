@@ -35,29 +35,36 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 
-#: the test files that take a test process longest (a minute or more, longest first; measured
-#: 2026-11-26), collected first. pytest-xdist hands out whole files in collection order
-#: (scripts/test.sh: --dist loadfile --no-loadscope-reorder), so the short files come last and even
-#: out the ends of the two processes; handed out by number of tests instead, a 2-minute learning
-#: test came last and the other process sat idle for 3 minutes of a 20-minute suite
+#: the test files that take a test process longest (a minute or more, longest first; measured in a
+#: clean clone on 2026-11-27, late), collected first. pytest-xdist hands out whole files in
+#: collection order (scripts/test.sh: --dist loadfile --no-loadscope-reorder), so the short files
+#: come last and even out the ends of the two processes; handed out by number of tests instead, a
+#: 2-minute learning test came last and the other process sat idle for 3 minutes of a 20-minute suite
 LONGEST_FIRST = (
-    "test_autoscaling.py",
-    "test_corpus_ray.py",
-    "test_launch.py",
-    "test_buckets.py",
-    "test_causal_lm.py",
-    "test_faults.py",
     "test_tune.py",
-    "test_submit.py",
-    "test_mshnet_learning.py",
-    "test_cdeit_learning.py",
-    "test_xla.py",
-    "test_sharding.py",
-    "test_elastic_cluster.py",
+    "test_autoscaling.py",
+    "test_launch.py",
+    "test_corpus_ray.py",
+    "test_buckets.py",
+    "test_faults.py",
+    "test_causal_lm.py",
     "test_tracking.py",
+    "test_xla.py",
+    "test_cdeit_learning.py",
+    "test_mshnet_learning.py",
+    "test_submit.py",
+    "test_elastic_cluster.py",
+    "test_sharding.py",
     "test_integration_ray.py",
     "test_fake_tpu_cluster.py",
+    "test_notebook.py",
+    "test_full_disk.py",
+    "test_ingest_ray.py",
+    "test_batch_finder.py",
+    "test_local.py",
     "test_compile.py",
+    "test_own_job.py",
+    "test_packaging.py",
     "test_corpus.py",
 )
 
