@@ -99,6 +99,12 @@ def work(plan: Plan, seat: Seat, reporter: Reporter, datasets: dict[str, Any] | 
     reporter.report(metrics, results, "test")
 
 
+def fixable_of(error: BaseException, run_dir: str) -> str | None:
+    """The one line a worker's error is said in, when its user fixes it (a full disk under the run
+    folder anywhere in its chain, a checkpoint that cannot be written), else None."""
+    return fixable_line(full_disk_in(error, run_dir) or error)
+
+
 # ------------------------------------------------------------------ Ray Train
 def ray_entry(plan_values: dict[str, Any]) -> None:
     """``train_loop_per_worker`` of every ``TorchTrainer`` raytpu builds: one call per Ray worker."""
@@ -115,7 +121,7 @@ def ray_entry(plan_values: dict[str, Any]) -> None:
     try:
         work(plan, seat, reporter, {name: ray.train.get_dataset_shard(name) for name in plan.datasets})
     except Exception as exc:  # the driver prints the traceback once, then its one line
-        fixable = fixable_line(full_disk_in(exc, plan.run_dir) or exc)
+        fixable = fixable_of(exc, plan.run_dir)
         if fixable is not None:  # the line alone: no traceback helps with a full disk
             raise WorkerFailed(f"{FIXABLE_MARK}{fixable}") from None
         raise WorkerFailed(traceback.format_exc().rstrip()) from None
@@ -160,7 +166,7 @@ def local_entry(plan_path: str) -> None:
         sys.stdout.flush()
         os._exit(EXIT_BATCH_REDUCED)
     except Exception as exc:
-        fixable = fixable_line(full_disk_in(exc, plan.run_dir) or exc)
+        fixable = fixable_of(exc, plan.run_dir)
         if fixable is None:
             raise
         print(f"{FIXABLE_MARK}{fixable}", file=sys.stderr, flush=True)  # the driver says it, once
