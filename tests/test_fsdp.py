@@ -18,7 +18,7 @@ from raytpu.config.args import ConfigError
 from raytpu.config.plan import resolve_config
 from raytpu.jobs.causal_lm import corpus
 from raytpu.runtime.torch_fsdp import plain_state_dict_names, units_of, wrapping_units
-from raytpu.runtime.xla import mesh_shape
+from raytpu.parallel.mesh import resolve_mesh
 from tests.conftest import XlaProbe
 
 FSDP_CONFIG = {"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": True}
@@ -99,16 +99,18 @@ def test_fsdp_full_shard_puts_every_device_on_the_fsdp_axis_unless_the_mesh_says
     cfg = flags("--fsdp", "full_shard auto_wrap")
     assert cfg.sharding.strategy == "full_shard"
     cfg = on_xla(cfg)
-    assert cfg.xla.spmd and (cfg.xla.mesh.data, cfg.xla.mesh.fsdp) == (-1, -1)
-    assert mesh_shape(8, cfg.xla.mesh.data, cfg.xla.mesh.fsdp) == (1, 8)
-    assert mesh_shape(8, 2, -1) == (2, 4) and mesh_shape(8, -1, 4) == (2, 4)
-    assert on_xla(flags("--fsdp", "full_shard", "xla.mesh.fsdp=2")).xla.mesh.fsdp == 2
+    mesh = cfg.sharding.mesh
+    assert cfg.xla.spmd and (mesh.data, mesh.fsdp, mesh.tensor) == (-1, -1, 1)
+    assert resolve_mesh(8, mesh.data, mesh.fsdp, mesh.tensor, "devices").shape == (1, 8, 1)
+    assert resolve_mesh(8, 2, -1, 1, "").shape == (2, 4, 1) and resolve_mesh(8, -1, 4, 1, "").shape == (2, 4, 1)
+    assert on_xla(flags("--fsdp", "full_shard", "sharding.mesh.fsdp=2")).sharding.mesh.fsdp == 2
+    assert on_xla(flags("--fsdp", "full_shard", "xla.mesh.fsdp=2")).sharding.mesh.fsdp == 2  # its earlier name
     assert not on_xla(flags("--fsdp", "false")).xla.spmd
     assert flags("--fsdp", "false").sharding.strategy == "none"
 
 
 def test_an_fsdp_mesh_on_xla_is_sharding_too():
-    cfg = on_xla(flags("xla.spmd=true", "xla.mesh.fsdp=4"))
+    cfg = on_xla(flags("xla.spmd=true", "sharding.mesh.fsdp=4"))
     assert cfg.sharding.strategy == "full_shard"
 
 
@@ -144,7 +146,7 @@ def test_fsdp_in_the_yaml_training_arguments_section(tmp_path):
     cfg, _ = load_config(str(path))
     assert cfg.sharding.strategy == "full_shard" and cfg.sharding.activation_checkpointing
     cfg = on_xla(cfg)
-    assert cfg.xla.spmd and cfg.xla.mesh.fsdp == -1 and not cfg.job.gradient_checkpointing
+    assert cfg.xla.spmd and cfg.sharding.mesh.fsdp == -1 and not cfg.job.gradient_checkpointing
 
 
 @pytest.mark.parametrize(

@@ -94,7 +94,7 @@ def runs(data, ray_session):
         4,
         mshnet(data / "mshnet", "xla.spmd=true"),
         mshnet(data / "pq", "xla.spmd=true", "data.loader=ray"),
-        mshnet(data / "mshnet", "xla.spmd=true", "xla.mesh.data=1", "xla.mesh.fsdp=4"),
+        mshnet(data / "mshnet", "xla.spmd=true", "sharding.mesh.data=1", "sharding.mesh.fsdp=4"),
         cdeit(data / "cdeit"),
         env={"RAY_ADDRESS": ray_session.get_runtime_context().gcs_address},
     )

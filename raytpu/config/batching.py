@@ -35,7 +35,7 @@ class BatchPlan:
 
     @classmethod
     def of(cls, cfg: Config) -> BatchPlan:
-        return cls(cfg.data.global_batch_size, cfg.scaling.num_workers, cfg.loop.grad_accum, cfg.data.eval_batch_size)
+        return cls(cfg.data.global_batch_size, reading_workers(cfg), cfg.loop.grad_accum, cfg.data.eval_batch_size)
 
     @property
     def per_worker(self) -> int:
@@ -99,6 +99,21 @@ class BatchPlan:
     def steps_per_epoch(self, samples: int) -> int:
         """Optimizer steps in an epoch of ``samples`` train samples (``drop_last`` on every worker)."""
         return (samples // self.workers) // self.per_worker // self.grad_accum
+
+
+def reading_workers(cfg: Config) -> int:
+    """The workers that read samples of their own: where the runtime's mesh is over its workers (cpu,
+    cuda), a tensor group's workers read the same samples; on xla each worker feeds its devices,
+    whatever the mesh within them (and before ``auto`` has picked a runtime, every worker counts)."""
+    from raytpu.parallel.mesh import resolve_mesh
+    from raytpu.runtime.kinds import registered
+
+    mesh, workers = cfg.sharding.mesh, cfg.scaling.num_workers
+    kind = registered().get(cfg.scaling.runtime)
+    if mesh.tensor == 1 or kind is None or not kind.mesh_over_workers:
+        return workers
+    fsdp = mesh.fsdp if mesh.tensor == -1 else -1
+    return resolve_mesh(workers, 1, fsdp, mesh.tensor, "workers (scaling.num_workers)").replicas
 
 
 def elastic_plans(cfg: Config, sizes: Sequence[int], devices: int = 1) -> dict[int, BatchPlan]:

@@ -54,7 +54,12 @@ def profile_window(value: Any) -> list[tuple[str, Any]]:
 RENAMED_KEYS = {
     "xla.fsdp_layers": "sharding.layers",
     "xla.grad_ckpt": "sharding.activation_checkpointing",
+    "xla.mesh.data": "sharding.mesh.data",
+    "xla.mesh.fsdp": "sharding.mesh.fsdp",
 }
+
+#: the mesh's axes in torchprime's names (``ici_mesh.fsdp=4``): its mesh within a slice is raytpu's mesh
+MESH_ALIASES = {f"ici_mesh.{axis}": f"sharding.mesh.{axis}" for axis in ("data", "fsdp", "tensor")}
 
 
 #: keys that take a range, ``MIN:MAX`` (torchrun's ``--nnodes`` form) or ``[MIN, MAX]``, for an elastic
@@ -112,6 +117,7 @@ def expand_file_ranges(raw: dict[str, Any]) -> None:
 #: flags and short keys every job accepts: alias -> dotted key
 COMMON_ALIASES: dict[str, Alias] = {
     **RENAMED_KEYS,
+    **MESH_ALIASES,
     "--profile": Flag(convert=profile_window, text=True, sets="loop.profile_steps (FIRST:LAST: trace those steps)"),
     "runtime": "scaling.runtime",
     "num_workers": "scaling.num_workers",
@@ -179,14 +185,27 @@ def read_config(
 def move_renamed_keys(raw: dict[str, Any]) -> None:
     """A file's keys under their earlier names (:data:`RENAMED_KEYS`) moved to the current ones, in place."""
     for old, new in RENAMED_KEYS.items():
-        old_section, old_key = old.split(".")
-        section = raw.get(old_section)
+        *old_parents, old_key = old.split(".")
+        section = nested_section(raw, old_parents, create=False)
         if isinstance(section, dict) and old_key in section:
-            new_section, new_key = new.split(".")
-            target = raw.setdefault(new_section, {}) or {}
-            raw[new_section] = target
+            *new_parents, new_key = new.split(".")
+            target = nested_section(raw, new_parents, create=True)
             if isinstance(target, dict):
                 target.setdefault(new_key, section.pop(old_key))
+            if not section and len(old_parents) > 1:  # an emptied xla.mesh: no section of that name is left
+                nested_section(raw, old_parents[:-1], create=False).pop(old_parents[-1])
+
+
+def nested_section(raw: dict[str, Any], parents: list[str], create: bool) -> Any:
+    """``raw[a][b]...`` for ``parents`` [a, b, ...]; made empty where missing if ``create``, else None."""
+    section: Any = raw
+    for part in parents:
+        if not isinstance(section, dict):
+            return None
+        if create and not isinstance(section.get(part), dict):
+            section[part] = {} if section.get(part) in (None, {}) else section[part]
+        section = section.get(part)
+    return section
 
 
 def read_buckets_through_ray_data(cfg: Config, job: Job) -> Config:

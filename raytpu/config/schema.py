@@ -49,18 +49,24 @@ class ScalingSettings:
 
 
 @dataclass(frozen=True)
-class MeshSettings:
-    data: int = -1
-    fsdp: int = 1
-
-
-@dataclass(frozen=True)
 class XLASettings:
     spmd: bool = False
-    mesh: MeshSettings = field(default_factory=MeshSettings)
+    # the model's repeated blocks (sharding.layers, its decoder layers) run as one scanned block: one
+    # layer compiled, not N (torch_xla's scan_layers; docs/sharding.md)
+    scan_layers: bool = False
     compile_cache: str = ""  # "" = <run dir>/xla_cache; "none" disables it
     strict_recompile: bool = False
     debug_metrics: bool = False
+
+
+@dataclass(frozen=True)
+class MeshSettings:
+    """The device mesh's axes (``raytpu.parallel.mesh``): over the workers on cpu and cuda, over every
+    device of the SPMD program on xla; -1 = the devices the other axes leave (formerly xla.mesh)."""
+
+    data: int = -1  # model replicas, each with its share of the batch
+    fsdp: int = 1  # devices each parameter is sharded over (--fsdp full_shard: all of them)
+    tensor: int = 1  # devices each layer's matrix products are split over (tensor parallelism)
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class ShardingSettings:
     layers: list[str] = field(default_factory=list)
     # recompute each unit's activations in the backward (formerly xla.grad_ckpt; --gradient_checkpointing)
     activation_checkpointing: bool = False
+    mesh: MeshSettings = field(default_factory=MeshSettings)
 
 
 @dataclass(frozen=True)

@@ -272,6 +272,10 @@ TRAINING_ARGUMENTS: dict[str, Alias] = {
     "--torch_compile_backend": Flag(ignored="raytpu compiles with torch.compile's default backend, inductor"),
     "--fsdp": Flag(convert=fsdp, sets="sharding.strategy (full_shard, shard_grad_op, auto_wrap)"),
     "--fsdp_config": Flag(convert=fsdp_config, sets="sharding.* (a JSON file or object)"),
+    # accelerate launch's ParallelismConfig sizes: the mesh's axes
+    "--parallelism_config_dp_replicate_size": "sharding.mesh.data",
+    "--parallelism_config_dp_shard_size": "sharding.mesh.fsdp",
+    "--parallelism_config_tp_size": "sharding.mesh.tensor",
     "--auto_find_batch_size": Flag(key="loop.auto_find_batch_size", switch=True),
     "--debug": Flag(convert=debug, sets="xla.metrics_report (tpu_metrics_debug)"),
     "--do_train": Flag(switch=True, convert=do_train, sets="nothing: raytpu train trains"),

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from raytpu.config.batching import BatchPlan, elastic_plans
 from raytpu.errors import ConfigError
 from raytpu.hooks import callback_class
+from raytpu.parallel.mesh import check_axes
 from raytpu.runtime.kinds import FP8_RECIPES, PRECISIONS, kind_of
 
 if TYPE_CHECKING:  # raytpu.config (loading) imports this module
@@ -126,8 +127,7 @@ def validate(cfg: Config, job: Job | None = None) -> None:
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {betas}")
     for name, amount in cfg.scaling.resources_per_worker.items():
         check_number(f"scaling.resources_per_worker.{name}", amount, (0, True))
-    if cfg.xla.mesh.data == 0 or cfg.xla.mesh.fsdp == 0 or min(cfg.xla.mesh.data, cfg.xla.mesh.fsdp) < -1:
-        raise ConfigError("xla.mesh.data and xla.mesh.fsdp must be at least 1, or -1 for the rest of the devices")
+    check_axes(cfg.sharding.mesh.data, cfg.sharding.mesh.fsdp, cfg.sharding.mesh.tensor)
     check_profile(cfg.loop.profile_steps, cfg.loop.profile_ranks, cfg.scaling.num_workers)
     check_range("scaling.num_workers", cfg.scaling.min_workers, cfg.scaling.num_workers)
     check_range("scaling.tpu.slices", cfg.scaling.tpu.min_slices, cfg.scaling.tpu.slices)

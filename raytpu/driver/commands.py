@@ -204,8 +204,10 @@ def where_it_runs(plan: Plan) -> str:
         )
     accum = f" x {batch.grad_accum} accumulation steps" if batch.grad_accum > 1 else ""
     compiled = f", torch.compile ({cfg.loop.compile_mode})" if cfg.loop.compile == "true" else ""
+    if batch.workers != cfg.scaling.num_workers:  # tensor groups: their workers read the same samples
+        compiled += f", tensor groups of {cfg.scaling.num_workers // batch.workers}"
     return (
-        f"raytpu: {plan.mode} {cfg.run.name} on {plan.facts.where}: {batch.workers} {cfg.scaling.runtime} "
+        f"raytpu: {plan.mode} {cfg.run.name} on {plan.facts.where}: {cfg.scaling.num_workers} {cfg.scaling.runtime} "
         f"worker(s), {cfg.scaling.precision}{compiled}, {batch.per_worker} samples per worker{accum} "
         f"(global batch {batch.global_batch})"
     )

@@ -167,6 +167,8 @@ class XLA(RuntimeKind):
     offers_torch_compile = False  # XLA compiles every step already
     checkpoints_units = True  # torch_xla's checkpoint: XLA's CSE would merge a plain one's recompute back
     sharded_checkpoints_differ = False  # FSDPv2 writes the plain model's names
+    mesh_over_workers = False  # one SPMD program over every chip of the slices
+    scans_layers = True
 
     def auto_reason(self, offer: ClusterOffer) -> str | None:
         return offered(offer, "TPU")
@@ -226,11 +228,15 @@ class XLA(RuntimeKind):
         return int(scaling.resources_per_worker.get("TPU", 1)) or 1
 
     def sharding(self, cfg: Any, precision: str) -> dict[str, Any]:
-        """FSDPv2 over the SPMD mesh's ``fsdp`` axis (every device unless ``xla.mesh.fsdp`` says
-        otherwise); a mesh with ``fsdp > 1`` is sharding too."""
-        if cfg.sharding.strategy == "full_shard" and cfg.xla.mesh.fsdp == 1:
-            return {"xla.spmd": True, "xla.mesh.fsdp": -1}
-        return {"sharding.strategy": "full_shard"} if cfg.xla.spmd and cfg.xla.mesh.fsdp != 1 else {}
+        """FSDPv2 over the SPMD mesh's ``fsdp`` axis (every device the tensor axis leaves, unless
+        ``sharding.mesh.fsdp`` says otherwise); a mesh with ``fsdp`` or ``tensor`` over 1 is sharding
+        too, and SPMD."""
+        mesh = cfg.sharding.mesh
+        if cfg.sharding.strategy == "full_shard" and mesh.fsdp == 1:
+            return {"xla.spmd": True, "sharding.mesh.fsdp": -1}
+        if mesh.tensor != 1 or (cfg.xla.spmd and mesh.fsdp != 1):
+            return {"xla.spmd": True, "sharding.strategy": "full_shard"}
+        return {}
 
     def no_devices(self, offer: ClusterOffer, xla_on_cpu: bool) -> str:
         if not (offer.this_machine or xla_on_cpu):
@@ -252,13 +258,19 @@ class XLA(RuntimeKind):
         """FSDPv2 across several xla workers needs XLA collectives between them (TPU hosts). Workers
         on the CPU PJRT device have none: their sharded gradients would be gathered to the host for
         gloo, a new graph per gradient at every step, until LLVM runs out of memory."""
-        xla = cfg.xla
-        sharded = xla.spmd and xla.mesh.fsdp != 1
+        mesh = cfg.sharding.mesh
+        if cfg.scaling.tpu.slices > 1 and cfg.scaling.tpu.layout == "multiprocess":
+            raise ConfigError(
+                "scaling.tpu.slices over 1 runs one worker a host (scaling.tpu.layout=spmd), whose SPMD mesh spans "
+                "the slices; the multiprocess layout has no multislice mesh"
+            )
+        sharded = cfg.xla.spmd and (mesh.fsdp != 1 or mesh.tensor != 1)
         if not sharded or cfg.scaling.num_workers == 1 or offer.offers("TPU") or offer.offers("GPU"):
             return
         raise ConfigError(
-            f"FSDPv2 (xla.mesh.fsdp={xla.mesh.fsdp}) over {cfg.scaling.num_workers} workers of the CPU PJRT device: "
-            "they share no XLA collectives; run scaling.num_workers=1, which drives all CPU_NUM_DEVICES devices"
+            f"a sharded SPMD mesh (sharding.mesh.fsdp={mesh.fsdp}, tensor={mesh.tensor}) over "
+            f"{cfg.scaling.num_workers} workers of the CPU PJRT device: they share no XLA collectives; run "
+            "scaling.num_workers=1, which drives all CPU_NUM_DEVICES devices"
         )
 
     def make(self, precision: str, world: int, rank: int, local_rank: int, options: dict[str, Any]) -> Runtime:

@@ -66,6 +66,11 @@ class RuntimeKind:
     #: whether a sharded checkpoint is laid out apart from an unsharded one (DCP shards against one
     #: model file): a resume with the other sharding is then refused before it starts
     sharded_checkpoints_differ = True
+    #: whether the mesh (``sharding.mesh``) is over its workers, a device each (else over the devices
+    #: of one SPMD program, which its workers feed together)
+    mesh_over_workers = True
+    #: whether ``xla.scan_layers`` can run the model's repeated blocks as one scanned block
+    scans_layers = False
 
     # ----------------------------------------------------------- auto
     def auto_reason(self, offer: ClusterOffer) -> str | None:

@@ -38,6 +38,8 @@ from torch.utils.checkpoint import checkpoint
 
 from raytpu.console import muted_stdout
 from raytpu.errors import ConfigError
+from raytpu.parallel.mesh import MeshShape, resolve_mesh
+from raytpu.parallel.tensor import parallelize
 from raytpu.runtime.base import Runtime
 from raytpu.runtime.compiled import compile_regions, compile_whole
 from raytpu.runtime.torch_ddp import DDPRuntime, refresh_float8_scales
@@ -57,9 +59,32 @@ def native_runtime(
 
 def fsdp2_settings(cfg: Any, precision: str) -> dict[str, Any]:
     """``sharding`` on the native stack: FSDP2, which computes in bf16 or fp32 and keeps no EMA copy
-    of a sharded model (a ConfigError for either); no key changes."""
-    if cfg.sharding.strategy == "none":
+    of a sharded model (a ConfigError for either). The mesh is over the workers: a tensor axis or an
+    fsdp axis of more than one worker shards (FSDP2 over the fsdp axis, tensor parallelism inside each
+    group of the tensor axis, the fsdp axis taking the workers the tensor axis leaves), ``full_shard``
+    alone puts every worker on the fsdp axis."""
+    mesh = cfg.sharding.mesh
+    values: dict[str, Any] = {}
+    if cfg.sharding.strategy == "none" and mesh.fsdp == 1 and mesh.tensor == 1:
         return {}
+    if mesh.fsdp == 1 and mesh.data == -1:
+        values["sharding.mesh.fsdp"] = -1
+    shape = resolve_mesh(
+        cfg.scaling.num_workers,
+        1 if mesh.data == -1 else mesh.data,
+        values.get("sharding.mesh.fsdp", mesh.fsdp),
+        mesh.tensor,
+        "workers (scaling.num_workers)",
+    )
+    if shape.data > 1:
+        raise ConfigError(
+            f"sharding.mesh {shape.describe()}: on cpu and cuda a sharded run's workers are all on its fsdp and "
+            "tensor axes (replicas of a sharded model, HSDP, are not offered): set sharding.mesh.data=1"
+        )
+    if shape.tensor > 1 and (cfg.scaling.min_workers or precision == "fp8"):
+        why = "an elastic range of workers" if cfg.scaling.min_workers else "scaling.precision=fp8"
+        raise ConfigError(f"sharding.mesh.tensor={shape.tensor} with {why} is not offered: set sharding.mesh.tensor=1")
+    values["sharding.strategy"] = "full_shard"
     if precision == "fp16":
         raise ConfigError(
             "sharding.strategy=full_shard computes in bf16 or fp32, and this GPU has no bf16: set "
@@ -69,7 +94,7 @@ def fsdp2_settings(cfg: Any, precision: str) -> dict[str, Any]:
         raise ConfigError(
             "loop.ema_beta: an EMA copy of a sharded model is not kept; set loop.ema_beta=0 or sharding.strategy=none"
         )
-    return {}
+    return values
 
 
 class FSDPRuntime(DDPRuntime):
@@ -93,6 +118,8 @@ class FSDPRuntime(DDPRuntime):
         self.activation_checkpointing = bool(sharding and sharding.activation_checkpointing)
         self.scaler = None  # the plan allows bf16 and fp32 only: no loss scaling
         self.units = 0
+        self.shape = worker_mesh(sharding, world_size)
+        self.tensor_parallel_layers = 0
         self.float8_model: nn.Module | None = None  # fp8 whose weights are gathered in float8: scales to refresh
 
     def prepare_model(
@@ -104,6 +131,11 @@ class FSDPRuntime(DDPRuntime):
         gather = self.fp8_recipe == "tensorwise" and self.device.type == "cuda"  # NCCL gathers float8; gloo cannot
         self.use_float8(model, gather_in_float8=gather)
         self.float8_model = model if gather and self.float8_layers else None
+        if self.shape.tensor > 1:  # split each layer over its tensor group first, as torchtitan does, then shard
+            model.to(self.device)
+            self._same_start([*model.parameters(), *model.buffers()])
+            self.tensor_parallel_layers = parallelize(model, mesh["tensor"])
+            mesh = mesh["fsdp"]
         units = units_of(model, wrapping_units(model, self.layers))
         if self.activation_checkpointing:
             if not units:
@@ -116,7 +148,8 @@ class FSDPRuntime(DDPRuntime):
         options = {"mesh": mesh, "mp_policy": policy} if self.precision in ("bf16", "fp8") else {"mesh": mesh}
         for unit in units:  # one unit whole on the device at a time, never the whole model
             unit.to(self.device)
-            self._same_start([*unit.parameters(), *unit.buffers()])
+            if not self.tensor_parallel_layers:  # else rank 0's weights are everywhere already
+                self._same_start([*unit.parameters(), *unit.buffers()])
             fully_shard(unit, **options)
         model.to(self.device)  # what no unit holds: the sharded units' DTensors stay as they are
         self._same_start(
@@ -129,15 +162,34 @@ class FSDPRuntime(DDPRuntime):
         return model
 
     def _mesh(self) -> Any:
-        """The data-parallel workers as FSDP2's one-dimensional mesh. One worker alone (a local run
-        of one process) gets a process group of its own, so that it shards as a larger run would."""
+        """The workers as FSDP2's one-dimensional mesh, or as a (fsdp, tensor) mesh: consecutive ranks
+        form a tensor group (on a GPU node, the GPUs of one node). One worker alone (a local run of one
+        process) gets a process group of its own, so that it shards as a larger run would."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
             backend = {"cuda": "nccl", "tpu": "tpu_dist"}.get(self.device.type, "gloo")
             with muted_stdout():  # gloo's "[Gloo] Rank 0 is connected to 0 peer ranks"
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        if self.shape.tensor > 1:
+            return init_device_mesh(
+                self.device.type, (self.shape.fsdp, self.shape.tensor), mesh_dim_names=("fsdp", "tensor")
+            )
         return init_device_mesh(self.device.type, (self.world_size,))
+
+    @property
+    def data_parallel_size(self) -> int:
+        """A tensor group's workers read the same samples: the batch splits over the fsdp axis."""
+        return self.world_size // self.shape.tensor
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.rank // self.shape.tensor
+
+    def all_reduce_sum(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Sums over the data-parallel shares: each tensor group's workers evaluated the same samples."""
+        summed = super().all_reduce_sum(totals)
+        return {key: value / self.shape.tensor for key, value in summed.items()}
 
     @torch.no_grad()
     def _same_start(self, tensors: list[torch.Tensor]) -> None:
@@ -190,6 +242,15 @@ class FSDPRuntime(DDPRuntime):
             yield last, batch is not None
 
 
+def worker_mesh(sharding: Any, world_size: int) -> MeshShape:
+    """The workers' mesh as the plan resolved it (``fsdp2_settings``): the fsdp axis takes the
+    workers the tensor axis leaves, at whatever size the group started (an elastic run's)."""
+    mesh = getattr(sharding, "mesh", None)
+    tensor = mesh.tensor if mesh is not None else 1
+    fsdp = mesh.fsdp if mesh is not None and tensor == -1 else -1
+    return resolve_mesh(world_size, 1, fsdp, tensor, "workers")
+
+
 def checkpoint_in_place(unit: nn.Module) -> None:
     """Recompute ``unit``'s activations in the backward (non-reentrant ``torch.utils.checkpoint``),
     without a wrapper module: parameter names stay plain, and FSDP2's hooks on the unit still
@@ -199,15 +260,23 @@ def checkpoint_in_place(unit: nn.Module) -> None:
 
 def sharded_clip_or_measure(params: list[nn.Parameter], max_norm: float, measure: bool) -> torch.Tensor | None:
     """:func:`raytpu.runtime.base.clip_or_measure` over sharded gradients: each rank's partial norm
-    reduced into the global one (a collective: every rank calls it at the same steps)."""
+    reduced into the global one (a collective: every rank calls it at the same steps). Gradients
+    on different meshes (a tensor-parallel layer's on (fsdp, tensor), a norm's on fsdp alone) are
+    measured mesh by mesh, the norms then combined."""
     if not (max_norm > 0 or measure):
         return None
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=None)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    by_mesh: dict[Any, list[nn.Parameter]] = {}
+    for param in params:
+        if param.grad is not None:
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    norms = []
+    for group in by_mesh.values():
+        partial = torch.nn.utils.get_total_norm([param.grad for param in group], foreach=None)
+        norms.append(partial.full_tensor() if isinstance(partial, DTensor) else partial)
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=None)
     return norm
 
 

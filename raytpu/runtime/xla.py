@@ -7,10 +7,20 @@ Two ways to use a worker's devices:
   XLA collectives on TPU, or over the host gloo group on the CPU PJRT device,
   which has no cross-process collectives.
 * SPMD (``xla.spmd: true``): one worker per host drives all of its devices;
-  the batch is sharded over a ``('data', 'fsdp')`` mesh and XLA inserts the
-  gradient all-reduce. With ``xla.mesh.fsdp > 1`` the model is wrapped in
-  FSDPv2 (``SpmdFullyShardedDataParallel``): parameters, gradients and
-  optimizer state are sharded over the ``fsdp`` axis, the batch over both.
+  the batch is sharded over the ``('data', 'fsdp')`` axes of a ``('data',
+  'fsdp', 'tensor')`` mesh (``sharding.mesh``) and XLA inserts the gradient
+  all-reduce. With ``sharding.mesh.fsdp > 1`` the model is wrapped in FSDPv2
+  (``SpmdFullyShardedDataParallel``): parameters, gradients and optimizer state
+  are sharded over the ``fsdp`` axis, the batch over both. With
+  ``sharding.mesh.tensor > 1`` each weight is annotated instead: the model's
+  tensor-parallel layers along ``tensor`` on one dimension and ``fsdp`` on the
+  other, the embeddings and output head along the vocabulary
+  (``raytpu.parallel.tensor``). Over several TPU slices the mesh is a hybrid
+  one: the ``data`` axis across slices (the data-center network), the others
+  within each slice (``raytpu.parallel.slices``).
+
+Scanned layers (``xla.scan_layers``): the model's repeated blocks run as one
+``scan_layers`` loop (``raytpu.parallel.scan``), compiled once for any depth.
 
 The training step runs under ``torch_xla.compile(full_graph=True)``: one
 graph, and an error naming the culprit if anything in it forces an execution.
@@ -30,6 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raytpu.errors import ConfigError
+from raytpu.parallel.mesh import AXES, resolve_mesh
+from raytpu.parallel.scan import layer_stack, scan_in_place
 from raytpu.runtime.base import RecompileError, Runtime, batchnorm_scope, clip_or_measure, gpu_peak_flops
 from raytpu.runtime.torch_fsdp import NO_UNITS, plain_state_dict_names, units_of, wrapping_units
 from raytpu.runtime.tpu import tpu_peak_flops, tpu_present
@@ -54,6 +67,7 @@ class XLARuntime(Runtime):
         super().__init__(precision, world_size, rank, local_rank)
         self.layers = list(sharding.layers) if sharding else []
         self.activation_checkpointing = bool(sharding and sharding.activation_checkpointing)
+        self.axes = sharding.mesh if sharding else None
         if not tpu_present():
             os.environ.setdefault("PJRT_DEVICE", "CPU")
         os.environ["USE_TORCH_XLA"] = "1"  # Transformers' XLA code paths (the driver turns them off for itself)
@@ -78,12 +92,23 @@ class XLARuntime(Runtime):
 
     # ------------------------------------------------------------- topology
     def _make_mesh(self) -> Any:
+        """The SPMD mesh over every device of the program: a hybrid one (the data axis across slices)
+        where the worker's environment names several slices."""
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
 
-        devices = xr.global_runtime_device_count()
-        data, fsdp = mesh_shape(devices, self.options.mesh.data, self.options.mesh.fsdp)
-        return xs.Mesh(np.arange(devices), (data, fsdp), ("data", "fsdp"))
+        from raytpu.parallel.slices import slice_mesh, slices_here
+
+        devices, slices = xr.global_runtime_device_count(), slices_here()
+        axes = (self.axes.data, self.axes.fsdp, self.axes.tensor) if self.axes else (-1, 1, 1)
+        try:
+            if slices > 1:
+                _, ici, dcn = slice_mesh(devices, slices, *axes)
+                return xs.HybridMesh(ici_mesh_shape=ici, dcn_mesh_shape=dcn, axis_names=AXES)
+            shape = resolve_mesh(devices, *axes, "devices of the SPMD program")
+        except ConfigError as error:  # the driver cannot count the CPU PJRT device's devices
+            raise ValueError(str(error)) from None
+        return xs.Mesh(np.arange(devices), shape.shape, AXES)
 
     @property
     def multi_host(self) -> bool:
@@ -124,13 +149,44 @@ class XLARuntime(Runtime):
         from torch_xla.distributed.fsdp import checkpoint_module
 
         model = model.to(self.device)
-        grad_ckpt = self.activation_checkpointing
-        units = wrapping_units(model, self.layers) if self.fsdp or grad_ckpt else set()
-        if grad_ckpt and not units:
+        grad_ckpt, scan = self.activation_checkpointing, bool(self.options and self.options.scan_layers)
+        units = wrapping_units(model, self.layers) if self.fsdp or grad_ckpt or scan else set()
+        if (grad_ckpt or scan) and not units:
             raise ValueError(NO_UNITS)
+        specs = self._partition_specs(model) if self.tensor_parallel else {}
+        if scan:  # the scan recomputes through its partition, and FSDPv2 wraps the root alone (a wrapper of
+            # each unit would hold weights the stack now holds)
+            stack = layer_stack(model, units_of(model, units))
+            prefix = next(name for name, module in model.named_modules() if module is stack)
+            for stacked, first in scan_in_place(stack, recompute=grad_ckpt).items():
+                if f"{prefix}.{first}" in specs:  # a stacked weight: its layers' spec below the layer axis
+                    specs[f"{prefix}.{stacked}"] = (None, *specs.pop(f"{prefix}.{first}"))
+            grad_ckpt, units = False, set()
         for unit in units_of(model, units) if grad_ckpt else []:
             checkpoint_module(unit)  # in place: the unit's forward runs under torch_xla's checkpoint
+        if self.tensor_parallel:
+            return self._annotate(model, specs)
         return self._shard(model, units) if self.fsdp else model
+
+    @staticmethod
+    def _partition_specs(model: nn.Module) -> dict[str, tuple]:
+        from raytpu.parallel.tensor import xla_partition_specs
+
+        return xla_partition_specs(model, "fsdp", "tensor")
+
+    def _annotate(self, model: nn.Module, specs: dict[str, tuple]) -> nn.Module:
+        """Tensor parallelism (and FSDP with it): each weight annotated with its partition spec over
+        the mesh (the plan's layers along ``tensor``, everything along ``fsdp``), no wrapper."""
+        import torch_xla.distributed.spmd as xs
+
+        for name, param in model.named_parameters():
+            if specs.get(name):
+                xs.mark_sharding(param, self.mesh, specs[name])
+        return model
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.mesh is not None and dict(zip(self.mesh.axis_names, self.mesh.mesh_shape))["tensor"] > 1
 
     def _shard(self, model: nn.Module, units: set[type[nn.Module]]) -> nn.Module:
         """FSDPv2: each unit (a decoder layer) wrapped on its own, then the rest of the model;
@@ -294,18 +350,6 @@ class XLARuntime(Runtime):
             import torch_xla.debug.metrics as met
 
             print(met.metrics_report())
-
-
-def mesh_shape(devices: int, data: int, fsdp: int) -> tuple[int, int]:
-    """Size the ``(data, fsdp)`` mesh; -1 on an axis means "the rest" (``fsdp`` first: with both
-    -1, as ``--fsdp full_shard`` leaves the default ``data``, every device is on ``fsdp``)."""
-    if fsdp == -1:
-        fsdp = devices // max(data, 1)
-    if data == -1:
-        data = devices // max(fsdp, 1)
-    if data * fsdp != devices:
-        raise ValueError(f"xla.mesh data={data} x fsdp={fsdp} must equal the {devices} devices of the worker")
-    return data, fsdp
 
 
 def xla_metrics() -> dict[str, float]:

@@ -132,7 +132,7 @@ class BatchFinder:
             raise NoBatchFits(
                 f"auto_find_batch_size: out of memory at 1 sample per device (global batch "
                 f"{self.plan.global_batch}); nothing smaller to try: lower data.global_batch_size, use bf16, "
-                "or shard the model (xla.mesh.fsdp)"
+                "or shard the model (sharding.mesh.fsdp)"
             ) from None
 
     def _reduce(self) -> int:

@@ -75,7 +75,7 @@ class Scoreboard:
         steps = self.loss_steps
         total = self.runtime.all_reduce_sum({"loss": self.loss_sum})["loss"]
         self.reset_loss()
-        return {"train/loss": float(total) / (steps * self.runtime.world_size)} if steps else {}
+        return {"train/loss": float(total) / (steps * self.runtime.data_parallel_size)} if steps else {}
 
     def counts_for_best(self, metrics: dict[str, float], weights_epoch: int) -> bool:
         """An eval of the main metric, of weights past the job's warm-up: it competes for the best checkpoint."""

@@ -45,7 +45,8 @@ NORMALISATIONS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """The trainable parameters in two groups, as Transformers' Trainer makes them: biases and the
-    weights of normalisation layers without weight decay, the rest with ``weight_decay`` (one group
+    weights of normalisation layers without weight decay (and a weight that says it takes none: the
+    stacked norms of scanned layers, ``raytpu.parallel.scan``), the rest with ``weight_decay`` (one group
     when there is no decay, so that the optimizer state of such a run keeps its layout)."""
     decay, no_decay, seen = [], [], set()
     for module in model.modules():
@@ -54,7 +55,8 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            (no_decay if normalisation or "bias" in name else decay).append(param)
+            exempt = normalisation or "bias" in name or getattr(param, "no_weight_decay", False)  # a stacked norm's
+            (no_decay if exempt else decay).append(param)
     if not weight_decay:
         return [{"params": decay + no_decay, "weight_decay": 0.0}]
     return [
