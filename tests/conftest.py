@@ -55,6 +55,8 @@ LONGEST_FIRST = (
     "test_submit.py",
     "test_elastic_cluster.py",
     "test_sharding.py",
+    "test_mesh.py",
+    "test_scan.py",
     "test_integration_ray.py",
     "test_fake_tpu_cluster.py",
     "test_notebook.py",

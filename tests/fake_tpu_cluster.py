@@ -15,7 +15,8 @@ layout also the PJRT environment raytpu's xla runtime sets (its description's ``
 Then an elastic run over whole slices (``scaling.tpu.slices=1:2``, spmd: 2 to 4 workers), with
 raytpu's run config (its controller callback): once its group spans both slices, one slice is
 removed (both its hosts: a preempted TPU slice goes whole), and the group restarts on the slice
-left: its workers are the spmd layout's placement of one slice.
+left: its workers are the spmd layout's placement of one slice. Each worker records the
+multislice environment raytpu's backend gave it (``MEGASCALE_*``: the group of both slices).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def placement() -> dict[str, Any]:
         "tpu_ids": runtime.get_accelerator_ids().get("TPU", []),
         "tpu_visible_chips": os.environ.get("TPU_VISIBLE_CHIPS"),
         "accelerate_device": os.environ.get("ACCELERATE_TORCH_DEVICE"),
+        "address": ray.util.get_node_ip_address(),
+        "megascale": {name: value for name, value in os.environ.items() if name.startswith("MEGASCALE_")},
     }
 
 

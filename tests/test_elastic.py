@@ -287,3 +287,13 @@ def test_ray_s_timeouts_on_a_busy_machine_are_one_line_each(capsys):
         hook(threading.ExceptHookArgs((TimeoutError, TimeoutError("Get timed out"), None, thread)))
     assert capsys.readouterr().err == "PlacementGroupCleanerMonitor stopped: TimeoutError: Get timed out\n"
     assert [args.thread.name for args in others] == ["mine"]
+
+
+def test_a_streamed_text_corpus_may_be_elastic_its_steps_the_same_blocks_at_every_size():
+    """Ray Data tables are split anew at each size (refused above); a streamed corpus hands every
+    step the same blocks at any size (``raytpu.corpus.order``, tested in test_corpus_ray.py), so an
+    elastic range plans with it: the global batch kept by accumulation."""
+    config = str(ROOT / "jobs/causal_lm/small.yaml")
+    cfg, _ = load_config(config, ["scaling.num_workers=1:2", "data.loader=ray"])
+    plans = elastic_plans(cfg, [1, 2])
+    assert (plans[1].grad_accum, plans[2].grad_accum) == (2, 1) and plans[1].global_batch == 32

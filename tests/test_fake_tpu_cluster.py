@@ -113,3 +113,26 @@ def test_an_elastic_range_of_slices_loses_a_slice_and_goes_on_with_the_other(pla
     assert {name for world, name in sizes if world == 4} == {"slice-a", "slice-b"}
     assert {name for world, name in sizes if world == 2} == {"slice-a"}
     assert [(c["from"], c["to"]) for c in elastic["resizes"]] == [(4, 2)] and "lost" in elastic["resizes"][0]["reason"]
+
+
+def test_workers_of_two_slices_get_one_coordinator_and_their_slice_ids(placements: dict[str, Any]) -> None:
+    """The group of both slices: every worker the same coordinator (slice 0's first host) and number
+    of slices, each slice its own id, rank 0's slice first; the group of one slice: no multislice
+    environment at all."""
+    both = [r for r in placements["elastic"]["records"] if r["world"] == 2 * HOSTS_PER_SLICE]
+    envs = [r["megascale"] for r in both]
+    assert len({(e["MEGASCALE_COORDINATOR_ADDRESS"], e["MEGASCALE_PORT"]) for e in envs}) == 1, envs
+    assert {e["MEGASCALE_NUM_SLICES"] for e in envs} == {"2"}
+    ids = {r["labels"]["ray.io/tpu-slice-name"]: set() for r in both}
+    for record in both:
+        ids[record["labels"]["ray.io/tpu-slice-name"]].add(record["megascale"]["MEGASCALE_SLICE_ID"])
+    assert sorted(ids.values(), key=sorted) == [{"0"}, {"1"}], ids
+    first = next(r for r in both if r["rank"] == 0)
+    assert ids[first["labels"]["ray.io/tpu-slice-name"]] == {"0"}
+    coordinator = next(
+        r["address"]
+        for r in both
+        if r["megascale"]["MEGASCALE_SLICE_ID"] == "0" and r["labels"]["ray.io/tpu-worker-id"] == "0"
+    )
+    assert envs[0]["MEGASCALE_COORDINATOR_ADDRESS"] == coordinator
+    assert all(r["megascale"] == {} for r in placements["spmd"])  # one slice: nothing to join

@@ -17,8 +17,8 @@ from raytpu.config import load_config
 from raytpu.config.args import ConfigError
 from raytpu.config.plan import resolve_config
 from raytpu.jobs.causal_lm import corpus
-from raytpu.runtime.torch_fsdp import plain_state_dict_names, units_of, wrapping_units
 from raytpu.parallel.mesh import resolve_mesh
+from raytpu.runtime.torch_fsdp import plain_state_dict_names, units_of, wrapping_units
 from tests.conftest import XlaProbe
 
 FSDP_CONFIG = {"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": True}

@@ -50,6 +50,10 @@ def ray_datasets(cfg, job) -> dict | None:
     return {split: data.iterator() for split, data in read_datasets(cfg, job, "train").items()}
 
 
+#: the weights whose sharding a report shows (a causal LM's)
+SHOWN_WEIGHTS = ("layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight", "embed_tokens", "stacked__")
+
+
 def compiles() -> int:
     data = met.metric_data("CompileTime")
     return data[0] if data else 0
@@ -120,7 +124,14 @@ def probe_run(warmup: int, overrides: list[str]) -> dict:
     goodput.end(RunFolder(run_dir), command, "completed")
     steps = probe.seen["steps"].values()
     modules = list(trainer.model.modules())
+    shardings = {  # how the mesh holds a few weights ('' = replicated)
+        name: torch_xla._XLAC._get_xla_sharding_spec(param)
+        for name, param in runtime.unwrap(trainer.model).named_parameters()
+        if any(part in name for part in SHOWN_WEIGHTS)
+    }
     return {
+        "shardings": shardings,
+        "parameters": len(list(trainer.model.parameters())),
         "run_dir": str(run_dir),
         "fsdp_wrappers": sum(type(m).__name__ == "SpmdFullyShardedDataParallel" for m in modules),
         "checkpointed_modules": sum("_xla_checkpointed_forward_original" in vars(m) for m in modules),

@@ -14,6 +14,11 @@ sharded, else 1; ``c`` the bytes of a computed value: 2 in bf16, 4 in fp32):
 * gathered (sharded only): FSDP2 gathers the root's own parameters for the whole step and one
   unit at a time, the next prefetched, each in the compute dtype, and the unit's gradient whole
   before it is reduced: ``c (P_root + 2 U) + (c + 4) U`` for the largest unit ``U``;
+* a tensor axis of ``t`` workers (``sharding.mesh.tensor``): the weights its layers split are held
+  ``1/t`` each (``N`` = fsdp x tensor shards for them, ``N / t`` for the rest), and so is their part
+  of a gathered unit; the activations are the job's at the per-worker batch (a tensor group's
+  workers share its samples), not divided by ``t``: an upper bound, since the split layers' own
+  activations are split too;
 * activations: what the job declares (``raytpu.job.EstimatesActivations``) at the per-device
   batch, with or without activation checkpointing.
 
@@ -35,6 +40,7 @@ from raytpu.config.loading import with_values
 from raytpu.config.schema import Config
 from raytpu.errors import ConfigError
 from raytpu.job import EstimatesActivations, Job
+from raytpu.parallel.tensor import tensor_plan
 from raytpu.runtime.kinds import LOW_PRECISIONS, compiles, kind_of, registered
 from raytpu.runtime.torch_fsdp import units_of, wrapping_units
 
@@ -50,17 +56,31 @@ OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "adagrad": 4, "adafactor": 0
 @dataclass(frozen=True)
 class ModelSize:
     """What the estimate needs of a model: its trainable parameters, those of its largest unit
-    (a decoder layer) and those the root holds itself (embeddings, head: outside every unit)."""
+    (a decoder layer) and those the root holds itself (embeddings, head: outside every unit); and
+    of each, the part tensor parallelism splits (the plan's layers)."""
 
     parameters: int
     largest_unit: int
     root: int
+    split: int = 0
+    split_unit: int = 0
 
     @classmethod
-    def of(cls, model: nn.Module, units: list[nn.Module]) -> ModelSize:
+    def of(cls, model: nn.Module, units: list[nn.Module], split_layers: list[str] = ()) -> ModelSize:
         total = sum(p.numel() for p in model.parameters() if p.requires_grad)
         sizes = [sum(p.numel() for p in unit.parameters() if p.requires_grad) for unit in units]
-        return cls(total, max(sizes, default=0), total - sum(sizes))
+        split = {id(p) for name in split_layers for p in model.get_submodule(name).parameters()}
+        largest = max(units, key=lambda unit: sum(p.numel() for p in unit.parameters()), default=None)
+        in_unit = sum(p.numel() for p in largest.parameters() if id(p) in split) if largest is not None else 0
+        split_total = sum(p.numel() for p in model.parameters() if id(p) in split)
+        return cls(total, max(sizes, default=0), total - sum(sizes), split_total, in_unit)
+
+    def held(self, tensor: int) -> tuple[float, float]:
+        """The parameters and the largest unit's, counted as a tensor group of ``tensor`` holds them."""
+        return (
+            self.parameters - self.split + self.split / tensor,
+            self.largest_unit - self.split_unit + self.split_unit / tensor,
+        )
 
 
 @dataclass(frozen=True)
@@ -103,16 +123,18 @@ def estimate(
     workers: int,
     sharded: bool,
     activations: float | None,
+    tensor: int = 1,
 ) -> MemoryEstimate:
-    """One device's bytes for a step (the module docstring gives the arithmetic)."""
+    """One device's bytes for a step (the module docstring gives the arithmetic); ``tensor``: the
+    workers of a tensor group (``workers`` counts them all)."""
     compute = 2 if precision in LOW_PRECISIONS else 4
-    shards = workers if sharded else 1
-    params = size.parameters
+    shards = workers // tensor if sharded else 1
+    params, unit = size.held(tensor) if tensor > 1 else (size.parameters, size.largest_unit)
     weights = 4 * params / shards
     gradients = 4 * params / shards
     gathered = 0.0
     if sharded:
-        gathered = compute * (size.root + 2 * size.largest_unit) + (compute + 4) * size.largest_unit
+        gathered = compute * (size.root + 2 * unit) + (compute + 4) * unit
     else:
         if compute == 2:  # the low-precision copy of every weight kept for the backward: fp8's in 1 byte
             weights += (1 if precision == "fp8" else 2) * params
@@ -120,6 +142,12 @@ def estimate(
             gradients *= 2  # DDP's all-reduce buckets
     state = OPTIMIZER_BYTES.get(optimizer, 8) * params / shards
     return MemoryEstimate(weights, gradients, state, gathered, activations)
+
+
+def tensor_group(cfg: Config) -> int:
+    """The workers of a tensor group: those reading the same samples (1 where the mesh is within
+    each worker's devices, xla's)."""
+    return cfg.scaling.num_workers // BatchPlan.of(cfg).workers
 
 
 def advice(cfg_sharded: bool, checkpointed: bool, activations_share: float) -> str:
@@ -149,8 +177,10 @@ def estimate_run(cfg: Config, job: Job, precision: str | None = None) -> MemoryE
         batch = BatchPlan.of(cfg).per_worker
         compiled = compiles(cfg.scaling.runtime, cfg.loop.compile)
         activations = job.activation_bytes(cfg, batch, value_bytes, checkpointed(cfg), compiled=compiled)
-    workers = cfg.scaling.num_workers
-    return estimate(ModelSize.of(model, units), precision, cfg.optim.name, workers, sharded, activations)
+    workers, tensor = cfg.scaling.num_workers, tensor_group(cfg)
+    split = list(tensor_plan(model)) if tensor > 1 else []
+    size = ModelSize.of(model, units, split)
+    return estimate(size, precision, cfg.optim.name, workers, sharded, activations, tensor)
 
 
 def checkpointed(cfg: Config) -> bool:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from raytpu.config.batching import BatchPlan, elastic_plans
 from raytpu.errors import ConfigError
 from raytpu.hooks import callback_class
+from raytpu.job import ReadsText
 from raytpu.parallel.mesh import check_axes
 from raytpu.runtime.kinds import FP8_RECIPES, PRECISIONS, kind_of
 
@@ -136,10 +137,12 @@ def validate(cfg: Config, job: Job | None = None) -> None:
             "loop.auto_find_batch_size with a range of workers: an elastic run keeps each worker's micro-batch "
             "at or below its largest size's; give one size, or leave the finder off"
         )
-    if (cfg.scaling.min_workers or cfg.scaling.tpu.min_slices) and cfg.data.loader == "ray":
+    elastic = cfg.scaling.min_workers or cfg.scaling.tpu.min_slices
+    if elastic and cfg.data.loader == "ray" and not isinstance(job, ReadsText):
         raise ConfigError(
             "an elastic run (a range of workers) needs data.loader=torch: Ray Data splits the train set anew at "
-            "each size, so a resumed epoch would not continue at its exact sample"
+            "each size, so a resumed epoch would not continue at its exact sample (a streamed text corpus, whose "
+            "steps are the same blocks at every size, may be elastic)"
         )
     unknown = [name for name in cfg.logging.report_to if name not in TRACKERS]
     if unknown:

@@ -396,7 +396,33 @@ def memory_estimate(path: str, overrides: list[str]) -> list[str]:
 
     cfg, job = load_config(path, overrides)
     lines = ["memory     " + line if index == 0 else line for index, line in enumerate(estimate_lines(cfg, job))]
-    return lines + [f"workers    {note}" for note in elastic_note(cfg, batch_plans(cfg))]
+    return lines + [f"workers    {note}" for note in elastic_note(cfg, batch_plans(cfg))] + multislice_lines(cfg)
+
+
+def multislice_lines(cfg: Any) -> list[str]:
+    """What a run over several TPU slices (``scaling.tpu.slices``) needs and how its mesh spans them."""
+    from raytpu.config import ConfigError
+    from raytpu.parallel.slices import slice_mesh
+    from raytpu.runtime.tpu import slice_spec
+
+    tpu, mesh = cfg.scaling.tpu, cfg.sharding.mesh
+    if tpu.slices < 2 or not tpu.accelerator_type:
+        return []
+    spec = slice_spec(tpu.accelerator_type, tpu.topology)
+    fsdp = -1 if cfg.sharding.strategy == "full_shard" and mesh.fsdp == 1 else mesh.fsdp
+    try:
+        whole, ici, dcn = slice_mesh(spec.num_chips * tpu.slices, tpu.slices, mesh.data, fsdp, mesh.tensor)
+        layout = f"mesh {whole.describe()}: HybridMesh ici {ici}, dcn {dcn} (the data axis across the slices)"
+    except ConfigError as error:
+        layout = f"mesh: {error}"
+    hosts = f"{spec.num_hosts} host(s) x {spec.chips_per_host} chips each"
+    return [
+        f"slices     {tpu.slices} x {spec.pod_type} ({hosts}); {layout}",
+        "           each worker gets MEGASCALE_COORDINATOR_ADDRESS (rank 0's slice, TPU worker 0), MEGASCALE_PORT "
+        "(8081), MEGASCALE_NUM_SLICES and its MEGASCALE_SLICE_ID from raytpu's backend",
+        "           needs: slices of one type and topology, scaling.tpu.layout=spmd, the port open between the "
+        "slices' hosts (one VPC network), torch_xla[tpu] of one version on every host",
+    ]
 
 
 if __name__ == "__main__":

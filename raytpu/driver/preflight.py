@@ -320,14 +320,21 @@ def check_resume_sharding(plan: Plan) -> None:
     would fail on a worker. A launch never shards through raytpu: a run folder of sharded
     checkpoints (a ``raytpu train`` run's name) is refused the same way."""
     cfg = plan.config
-    laid_apart = kind_of(cfg.scaling.runtime).sharded_checkpoints_differ
-    if plan.mode not in ("train", "launch") or not cfg.checkpoint.resume or not laid_apart:
+    if plan.mode not in ("train", "launch") or not cfg.checkpoint.resume:
         return
     folder = RunFolder(plan.run_dir)
     found = run_summary.checkpoints(folder)
     if not found:
         return
     newest, sharded = found[-1], cfg.sharding.strategy != "none"
+    scanned = bool(((newest.get("config") or {}).get("xla") or {}).get("scan_layers"))
+    if plan.mode == "train" and scanned != cfg.xla.scan_layers:  # the optimizer state is the stack's, or the layers'
+        raise ConfigError(
+            f"{folder.uri(newest['name'])} was written with xla.scan_layers={str(scanned).lower()}: resume it so, "
+            f"or start a new run.name from its weights (--checkpoint {folder.uri(newest['name'])})"
+        )
+    if not kind_of(cfg.scaling.runtime).sharded_checkpoints_differ:
+        return
     if plan.mode == "launch" and newest.get("sharded"):
         raise ConfigError(
             f"{folder.uri(newest['name'])} was written by a sharded raytpu train run and a launched script "
@@ -355,3 +362,45 @@ def check_placement(plan: Plan) -> None:
     from raytpu.driver.ray_trainer import worker_bundles, workers_text
 
     check_fit(worker_bundles(cfg, smallest=True), workers_text(cfg, smallest=True), offer)
+
+
+def check_parallel(plan: Plan, job: Job | None) -> None:
+    """How the plan splits the model, against its runtime and the model itself (built on the meta
+    device: no weights are made): slices need TPU slices, a scan the xla runtime and alike blocks,
+    a tensor axis the model's own tensor-parallel plan, splitting whole heads."""
+    cfg = plan.config
+    runtime, tpu, tensor, scan = cfg.scaling.runtime, cfg.scaling.tpu, cfg.sharding.mesh.tensor, cfg.xla.scan_layers
+    kind = kind_of(runtime)
+    if (tpu.slices > 1 or tpu.min_slices) and kind.accelerator != "TPU":
+        raise ConfigError(
+            f"scaling.tpu.slices={tpu.slices}: slices are TPU slices, and this run is on the {runtime} runtime, "
+            "which has none: set scaling.tpu.slices=1 (more workers: scaling.num_workers)"
+        )
+    if scan and not kind.scans_layers:
+        raise ConfigError(
+            f"xla.scan_layers runs on the xla runtime (torch_xla's scan), and this run is on {runtime}, where "
+            "loop.compile compiles a repeated block once for all its copies: set xla.scan_layers=false"
+        )
+    if job is None or plan.mode == "launch" or (tensor <= 1 and not scan):
+        return
+    import torch
+
+    from raytpu.parallel.scan import layer_stack
+    from raytpu.parallel.tensor import check_tensor_parallel
+    from raytpu.runtime.torch_fsdp import units_of, wrapping_units
+
+    with torch.device("meta"):
+        model = job.build_model(cfg)
+    if tensor > 1:
+        check_tensor_parallel(model, tensor)
+    if scan:
+        try:
+            units = units_of(model, wrapping_units(model, list(cfg.sharding.layers)))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if not units:
+            raise ConfigError(
+                f"xla.scan_layers scans the model's repeated blocks, and {type(model).__name__} declares none "
+                "(Transformers' _no_split_modules): name their class in sharding.layers, or set xla.scan_layers=false"
+            )
+        layer_stack(model, units)

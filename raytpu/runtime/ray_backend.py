@@ -58,11 +58,40 @@ class _QuietBackend(_TorchBackend):
             worker_group.execute(unmute_stdout)
 
 
+def _tpu_host() -> tuple[str, int, str]:
+    """This worker's TPU host: its slice's name, its TPU worker id there and its address (no name
+    off a TPU slice: XLA on CPU workers)."""
+    import ray
+
+    from raytpu.runtime.tpu import tpu_worker_id
+
+    labels = ray.get_runtime_context().get_node_labels()
+    name = labels.get("ray.io/tpu-slice-name", "")
+    return (name, tpu_worker_id(labels), ray.util.get_node_ip_address()) if name else ("", 0, "")
+
+
+def _set_env(env: dict[str, str]) -> None:
+    os.environ.update(env)
+
+
 class _XLAHostBackend(_QuietBackend):
     def on_start(self, worker_group: Any, backend_config: TorchConfig) -> None:
         worker_group.execute(_host_device_manager)
         super().on_start(worker_group, backend_config)
         worker_group.execute(_forget_host_device)
+        self._join_slices(worker_group)
+
+    @staticmethod
+    def _join_slices(worker_group: Any) -> None:
+        """Workers on several TPU slices get the multislice environment (``raytpu.parallel.slices``)
+        before torch_xla starts in them; workers of one slice get nothing."""
+        import ray
+
+        from raytpu.parallel.slices import multislice_env
+
+        envs = multislice_env(worker_group.execute(_tpu_host))
+        if any(envs):
+            ray.get([worker_group.execute_single_async(rank, _set_env, env) for rank, env in enumerate(envs)])
 
 
 @dataclass

@@ -159,14 +159,15 @@ class XLARuntime(Runtime):
             stack = layer_stack(model, units_of(model, units))
             prefix = next(name for name, module in model.named_modules() if module is stack)
             for stacked, first in scan_in_place(stack, recompute=grad_ckpt).items():
-                if f"{prefix}.{first}" in specs:  # a stacked weight: its layers' spec below the layer axis
-                    specs[f"{prefix}.{stacked}"] = (None, *specs.pop(f"{prefix}.{first}"))
+                # a stacked weight: its layers' spec below the layer axis (FSDPv2 shards only what has none)
+                layer_spec = specs.pop(f"{prefix}.{first}", ("fsdp",) if self.fsdp else None)
+                if layer_spec:
+                    specs[f"{prefix}.{stacked}"] = (None, *layer_spec)
             grad_ckpt, units = False, set()
         for unit in units_of(model, units) if grad_ckpt else []:
             checkpoint_module(unit)  # in place: the unit's forward runs under torch_xla's checkpoint
-        if self.tensor_parallel:
-            return self._annotate(model, specs)
-        return self._shard(model, units) if self.fsdp else model
+        self._annotate(model, specs)
+        return self._shard(model, units) if self.fsdp and not self.tensor_parallel else model
 
     @staticmethod
     def _partition_specs(model: nn.Module) -> dict[str, tuple]:
@@ -174,15 +175,15 @@ class XLARuntime(Runtime):
 
         return xla_partition_specs(model, "fsdp", "tensor")
 
-    def _annotate(self, model: nn.Module, specs: dict[str, tuple]) -> nn.Module:
-        """Tensor parallelism (and FSDP with it): each weight annotated with its partition spec over
-        the mesh (the plan's layers along ``tensor``, everything along ``fsdp``), no wrapper."""
+    def _annotate(self, model: nn.Module, specs: dict[str, tuple]) -> None:
+        """Each weight of ``specs`` annotated with its partition spec over the mesh: under tensor
+        parallelism every weight (the plan's layers along ``tensor``, everything along ``fsdp``, no
+        wrapper), under FSDPv2 the scanned layers' stacked weights (their layer axis whole)."""
         import torch_xla.distributed.spmd as xs
 
         for name, param in model.named_parameters():
-            if specs.get(name):
-                xs.mark_sharding(param, self.mesh, specs[name])
-        return model
+            if specs.get(name):  # a spec shorter than its weight leaves the last dimensions whole
+                xs.mark_sharding(param, self.mesh, (*specs[name], *(None,) * (param.dim() - len(specs[name]))))
 
     @property
     def tensor_parallel(self) -> bool:

@@ -1,0 +1,144 @@
+"""Scanned decoder layers (``xla.scan_layers``) and the 2-D mesh on XLA SPMD: the stacked weights
+under their unrolled names, the optimizer's groups kept; on 4 XLA CPU devices (one probe process),
+a (2 fsdp x 2 tensor) mesh against (4 fsdp) loss for loss over 20 steps, its weights split as the
+plan says, a checkpoint of one layout resumed in the other, and the scanned model (FSDPv2 and
+gradient checkpointing) against the unrolled one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytpu.jobs.causal_lm import corpus
+from raytpu.parallel.scan import STACKED, ScannedLayers, layer_stack, scan_in_place
+from raytpu.worker.optim import decay_groups
+from tests.conftest import XlaProbe
+
+
+def tiny_llama(layers: int = 3) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def test_the_stacked_layers_keep_the_unrolled_names_in_and_out_of_a_state_dict():
+    plain = tiny_llama()
+    scanned = tiny_llama()
+    stack = layer_stack(scanned, list(scanned.model.layers))
+    names = scan_in_place(stack, recompute=False)
+    assert isinstance(stack, ScannedLayers) and len(stack) == 3
+    assert names[STACKED + "self_attn__q_proj__weight"] == "0.self_attn.q_proj.weight"
+    assert len(list(scanned.parameters())) == 9 + 3  # a stacked tensor for each weight of a layer, and the rest
+    assert stack.stacked()["mlp.up_proj.weight"].shape == (3, 64, 32)
+    state, expected = scanned.state_dict(), plain.state_dict()
+    assert state.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(state[key], expected[key], rtol=0, atol=0)
+    moved = {key: value + 1 for key, value in expected.items()}
+    scanned.load_state_dict(moved)  # the unrolled names, stacked as they load
+    torch.testing.assert_close(
+        stack.stacked()["input_layernorm.weight"][2], moved["model.layers.2.input_layernorm.weight"]
+    )
+    with pytest.raises(ValueError, match="slice it whole"):
+        stack[:2]
+
+
+def test_a_stacked_norm_keeps_out_of_weight_decay_as_the_unrolled_ones():
+    scanned = tiny_llama()
+    scan_in_place(layer_stack(scanned, list(scanned.model.layers)), recompute=False)
+    decayed, exempt = decay_groups(scanned, 0.1)
+    stacked = scanned.model.layers.stacked()
+    assert any(p is stacked["input_layernorm.weight"] for p in exempt["params"])
+    assert any(p is stacked["self_attn.q_proj.weight"] for p in decayed["params"])
+    plain_exempt = decay_groups(tiny_llama(), 0.1)[1]["params"]
+    assert sum(p.numel() for p in exempt["params"]) == sum(p.numel() for p in plain_exempt)
+
+
+def lm(data: Path, *words: str) -> list[str]:
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+    return ["job.name=causal_lm", f"data.path={data}", f"job.model_config={json.dumps(shape)}", "job.seq_len=64",
+            "job.sample_tokens=0", "data.global_batch_size=8", "data.max_eval_samples=16", "scaling.num_workers=1",
+            "loop.max_steps=20", "loop.log_every=1", "optim.lr=0.01", "optim.weight_decay=0.1",
+            "scaling.precision=fp32", *words]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def meshes(tmp_path_factory) -> dict[str, dict]:
+    """On 4 XLA CPU devices in one process: (4 fsdp); (2 fsdp x 2 tensor); that mesh for 10 steps,
+    then (4 fsdp) on to 20 from its checkpoint; scanned layers under FSDPv2 with gradient
+    checkpointing. fp32: the layouts add the same products in other orders."""
+    root = tmp_path_factory.mktemp("scan")
+    data = root / "data"
+    corpus.synthesize(data, vocab_size=4096)
+    fsdp = ["xla.spmd=true", "--fsdp", "full_shard"]
+    tensor = ["sharding.mesh.tensor=2", "sharding.mesh.fsdp=2"]
+    across = [f"run.storage_path={root}", "run.name=across", "checkpoint.every_steps=10"]
+    runs = [
+        lm(data, *fsdp),
+        lm(data, *tensor),
+        lm(data, *tensor, *across, "loop.max_steps=10"),
+        lm(data, *fsdp, *across),
+    ]
+    runs.append(lm(data, *fsdp, "xla.scan_layers=true", "--gradient_checkpointing"))
+    reports = XlaProbe(4, *runs).reports()
+    return dict(zip(("fsdp", "tensor", "first", "resumed", "scanned"), reports, strict=True))
+
+
+@pytest.mark.xla
+def test_a_2x2_mesh_follows_the_fsdp_mesh_loss_for_loss_and_compiles_once(meshes):
+    fsdp, tensor = meshes["fsdp"]["losses"], meshes["tensor"]["losses"]
+    assert len(fsdp) == len(tensor) == 20 and tensor == pytest.approx(fsdp, rel=1e-4), (fsdp, tensor)
+    assert fsdp[0] - fsdp[-1] > 0.5  # far more than the tolerance
+    for run in ("fsdp", "tensor", "scanned"):
+        assert meshes[run]["compiles_after_warmup"] == 0 and meshes[run]["fallbacks_after_warmup"] == [], run
+
+
+@pytest.mark.xla
+def test_the_tensor_axis_splits_whole_heads_the_mlp_and_the_vocabulary(meshes):
+    shardings = meshes["tensor"]["shardings"]
+    # the (data 1, fsdp 2, tensor 2) mesh over devices 0..3: the second dimension's split is the tensor axis
+    assert shardings["model.layers.0.self_attn.q_proj.weight"].startswith("{devices=[2,2]0,2,1,3"), shardings
+    assert shardings["model.layers.0.mlp.down_proj.weight"].startswith("{devices=[2,2]0,1,2,3"), shardings
+    assert shardings["model.embed_tokens.weight"].startswith("{devices=[2,2]0,2,1,3"), shardings
+    assert meshes["tensor"]["input_sharding"].startswith("{devices=[2,1,2]"), meshes["tensor"]  # batch over fsdp
+
+
+@pytest.mark.xla
+def test_a_checkpoint_of_the_2x2_mesh_resumes_on_the_fsdp_mesh(meshes):
+    first, resumed, fsdp = meshes["first"]["losses"], meshes["resumed"]["losses"], meshes["fsdp"]["losses"]
+    assert len(first) == 10 and len(resumed) == 10, (first, resumed)
+    assert resumed == pytest.approx(fsdp[10:], rel=1e-4), (resumed, fsdp)
+
+
+@pytest.mark.xla
+def test_scanned_layers_train_as_the_unrolled_ones_with_fsdp_and_checkpointing(meshes):
+    scanned, fsdp = meshes["scanned"], meshes["fsdp"]
+    assert scanned["losses"] == pytest.approx(fsdp["losses"], rel=1e-4), (scanned["losses"], fsdp["losses"])
+    assert scanned["parameters"] == 9 + 3 and fsdp["parameters"] == 2 * 9 + 3  # the stack, once per weight
+    assert scanned["fsdp_wrappers"] == 1  # the root: the layers' weights are the stack's
+    stacked = scanned["shardings"]["model.layers.stacked__mlp__down_proj__weight"]  # (2 layers, 64, 128)
+    assert stacked.startswith("{devices=[1,4,1]"), scanned["shardings"]  # each layer's weight over fsdp, not the layers
+
+
+def test_a_run_resumed_with_the_other_xla_scan_layers_is_one_line(tmp_path, capsys):
+    """The optimizer state of a scanned run is the stack's: resuming it unrolled (or the other way)
+    is refused before anything starts, naming the checkpoint to start a new run from."""
+    from raytpu import cli
+    from tests.test_bad_input import assert_one_error_line
+
+    data = tmp_path / "data"
+    corpus.synthesize(data, vocab_size=4096)
+    written = tmp_path / "runs" / "scanned" / "checkpoint_00000002"
+    written.mkdir(parents=True)
+    (written / "meta.json").write_text(json.dumps({"step": 2, "config": {"xla": {"scan_layers": True}}}))
+    words = ["--local", f"data.path={data}", f"run.storage_path={tmp_path / 'runs'}", "run.name=scanned"]
+    code = cli.main(["train", str(Path(__file__).parents[1] / "jobs" / "causal_lm" / "small.yaml"), *words])
+    captured = capsys.readouterr()
+    assert_one_error_line(code, captured.out, captured.err, "checkpoint_00000002 was written with xla.scan_layers=true")
