@@ -171,7 +171,8 @@ class XlaProbe:
         for index, overrides in enumerate(runs):
             args += (["--"] if index else []) + overrides
         self.runs = len(runs)
-        self.process = start_python(args, {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), **(env or {})})
+        xla = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PYTHONFAULTHANDLER": "1"}  # a crash's stack
+        self.process = start_python(args, {**xla, **(env or {})})
 
     def reports(self) -> list[dict]:
         """One report a run, once the process has ended."""

@@ -280,6 +280,11 @@ def test_a_tensor_parallel_mesh_follows_the_fsdp_one_loss_for_loss(layouts):
     final = layouts / "tensor" / "checkpoint_00000020"
     assert sorted(path.name for path in (final / ckpt.SHARDED).iterdir())[:2] == [".metadata", "__0_0.distcp"]
     assert json.loads((final / ckpt.META).read_text())["sharded"] is True
+    whole = ckpt.load_model_weights(final)  # as raytpu test and raytpu export read it: the whole model
+    expected = ckpt.load_model_weights(layouts / "fsdp" / "checkpoint_00000020")
+    assert whole.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(whole[key], expected[key], rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.integration
@@ -304,3 +309,21 @@ def test_doctor_says_what_a_run_over_two_slices_needs_and_how_its_mesh_spans_the
     assert "mesh data 2 x fsdp 16 x tensor 1: HybridMesh ici (1, 16, 1), dcn (2, 1, 1)" in lines[0]
     assert "MEGASCALE_COORDINATOR_ADDRESS" in lines[1] and "scaling.tpu.layout=spmd" in lines[2]
     assert multislice_lines(load_config(SMALL, words)[0]) == []  # one slice: nothing to say
+
+
+def test_a_mesh_the_slices_chips_cannot_form_is_refused_before_the_run():
+    from raytpu.runtime.kinds import kind_of
+    from raytpu.runtime.placement import ClusterOffer
+
+    slice_words = ["runtime=xla", "xla.spmd=true", "scaling.tpu.accelerator_type=TPU-V5LITEPOD"]
+    slice_words.append("scaling.tpu.topology=4x4")
+    node = {"CPU": 8.0, "TPU": 4.0}
+    offer = ClusterOffer(nodes=(node,), available=node)
+    cfg, _ = load_config(SMALL, [*slice_words, "scaling.num_workers=4", "sharding.mesh.tensor=3"])
+    with pytest.raises(ConfigError, match="not the 16 chips of the TPU-V5LITEPOD slice"):
+        kind_of("xla").check_workers(cfg, offer)
+    two = load_config(SMALL, [*slice_words, "scaling.num_workers=8", "scaling.tpu.slices=2", "sharding.mesh.data=3"])[0]
+    with pytest.raises(ConfigError, match="give it a multiple of 2"):
+        kind_of("xla").check_workers(two, offer)
+    fits = load_config(SMALL, [*slice_words, "scaling.num_workers=4", "sharding.mesh.tensor=4"])[0]
+    kind_of("xla").check_workers(fits, offer)

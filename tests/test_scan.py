@@ -72,22 +72,18 @@ def lm(data: Path, *words: str) -> list[str]:
 @pytest.fixture(scope="module")
 def meshes(tmp_path_factory) -> dict[str, dict]:
     """On 4 XLA CPU devices in one process: (4 fsdp); (2 fsdp x 2 tensor); that mesh for 10 steps,
-    then (4 fsdp) on to 20 from its checkpoint; scanned layers under FSDPv2 with gradient
-    checkpointing. fp32: the layouts add the same products in other orders."""
+    then (4 fsdp) on to 20 from its checkpoint; in another, side by side, scanned layers under
+    FSDPv2 with gradient checkpointing. fp32: the layouts add the same products in other orders."""
     root = tmp_path_factory.mktemp("scan")
     data = root / "data"
     corpus.synthesize(data, vocab_size=4096)
     fsdp = ["xla.spmd=true", "--fsdp", "full_shard"]
     tensor = ["sharding.mesh.tensor=2", "sharding.mesh.fsdp=2"]
     across = [f"run.storage_path={root}", "run.name=across", "checkpoint.every_steps=10"]
-    runs = [
-        lm(data, *fsdp),
-        lm(data, *tensor),
-        lm(data, *tensor, *across, "loop.max_steps=10"),
-        lm(data, *fsdp, *across),
-    ]
-    runs.append(lm(data, *fsdp, "xla.scan_layers=true", "--gradient_checkpointing"))
-    reports = XlaProbe(4, *runs).reports()
+    runs = [lm(data, *fsdp), lm(data, *tensor), lm(data, *tensor, *across, "loop.max_steps=10")]
+    meshes = XlaProbe(4, *runs, lm(data, *fsdp, *across))
+    scanned = XlaProbe(4, lm(data, *fsdp, "xla.scan_layers=true", "--gradient_checkpointing"))  # beside it
+    reports = [*meshes.reports(), *scanned.reports()]
     return dict(zip(("fsdp", "tensor", "first", "resumed", "scanned"), reports, strict=True))
 
 

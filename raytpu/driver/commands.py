@@ -177,9 +177,7 @@ def prepare(
     if facts.text:  # counted by Ray Data tasks
         facts = dataclasses.replace(facts, split_sizes=tuple(text_sizes(cfg, job, data_root, mode).items()))
     plan = make_plan(cfg, facts)
-    preflight.check_placement(plan)
-    preflight.check_parallel(plan, job)
-    preflight.check_resume_sharding(plan)
+    preflight.check_plan(plan, job)
     estimate = check_memory(plan.config, job, facts.offer.accelerator_types("GPU")) if job and memory else []
     say(plan, estimate)
     return plan

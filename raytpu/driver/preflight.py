@@ -364,6 +364,14 @@ def check_placement(plan: Plan) -> None:
     check_fit(worker_bundles(cfg, smallest=True), workers_text(cfg, smallest=True), offer)
 
 
+def check_plan(plan: Plan, job: Job | None) -> None:
+    """The plan against the cluster, the model and the run folder: :func:`check_placement`,
+    :func:`check_parallel` and :func:`check_resume_sharding`."""
+    check_placement(plan)
+    check_parallel(plan, job)
+    check_resume_sharding(plan)
+
+
 def check_parallel(plan: Plan, job: Job | None) -> None:
     """How the plan splits the model, against its runtime and the model itself (built on the meta
     device: no weights are made): slices need TPU slices, a scan the xla runtime and alike blocks,

@@ -258,12 +258,22 @@ class XLA(RuntimeKind):
         """FSDPv2 across several xla workers needs XLA collectives between them (TPU hosts). Workers
         on the CPU PJRT device have none: their sharded gradients would be gathered to the host for
         gloo, a new graph per gradient at every step, until LLVM runs out of memory."""
-        mesh = cfg.sharding.mesh
-        if cfg.scaling.tpu.slices > 1 and cfg.scaling.tpu.layout == "multiprocess":
+        mesh, tpu = cfg.sharding.mesh, cfg.scaling.tpu
+        if tpu.slices > 1 and tpu.layout == "multiprocess":
             raise ConfigError(
                 "scaling.tpu.slices over 1 runs one worker a host (scaling.tpu.layout=spmd), whose SPMD mesh spans "
                 "the slices; the multiprocess layout has no multislice mesh"
             )
+        if tpu.accelerator_type and cfg.xla.spmd:  # the slices' chips are known: the mesh must cover them
+            from raytpu.parallel.mesh import resolve_mesh
+            from raytpu.parallel.slices import slice_mesh
+            from raytpu.runtime.tpu import slice_spec
+
+            chips = slice_spec(tpu.accelerator_type, tpu.topology).num_chips * tpu.slices
+            if tpu.slices > 1:
+                slice_mesh(chips, tpu.slices, mesh.data, mesh.fsdp, mesh.tensor)
+            else:
+                resolve_mesh(chips, mesh.data, mesh.fsdp, mesh.tensor, f"chips of the {tpu.accelerator_type} slice")
         sharded = cfg.xla.spmd and (mesh.fsdp != 1 or mesh.tensor != 1)
         if not sharded or cfg.scaling.num_workers == 1 or offer.offers("TPU") or offer.offers("GPU"):
             return

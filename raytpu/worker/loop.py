@@ -107,7 +107,8 @@ class Trainer:
 
     # ------------------------------------------------------------ build
     def _seed(self) -> None:
-        seed = self.cfg.run.seed * 1000 + self.runtime.rank
+        """A seed per data-parallel share: a tensor group's workers draw the same dropout and augmentation."""
+        seed = self.cfg.run.seed * 1000 + self.runtime.data_parallel_rank
         random.seed(seed)
         np.random.seed(seed)
         self.runtime.seed(seed)
