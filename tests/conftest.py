@@ -173,14 +173,33 @@ class XlaProbe:
         self.runs = len(runs)
         xla = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PYTHONFAULTHANDLER": "1"}  # a crash's stack
         self.process = start_python(args, {**xla, **(env or {})})
+        self._done: subprocess.CompletedProcess | None = None
+
+    def done(self) -> subprocess.CompletedProcess:
+        if self._done is None:
+            self._done = finish(self.process)
+        return self._done
+
+    def crash(self) -> str:
+        """What killed the process, where a signal did ("" where it ended by itself)."""
+        done = self.done()
+        return f"signal {-done.returncode}: {fault_stacks(done.stderr)}" if done.returncode < 0 else ""
 
     def reports(self) -> list[dict]:
         """One report a run, once the process has ended."""
-        done = finish(self.process)
-        assert done.returncode == 0, done.stderr[-3000:]
+        done = self.done()
+        assert done.returncode == 0, fault_stacks(done.stderr) if done.returncode < 0 else done.stderr[-3000:]
         reports = [json.loads(line) for line in done.stdout.strip().splitlines() if line.startswith("{")]
         assert len(reports) == self.runs, done.stdout[-3000:]
         return reports
+
+
+def fault_stacks(stderr: str, limit: int = 6000) -> str:
+    """The fatal error and every thread's stack that faulthandler printed, without its list of
+    extension modules."""
+    start = stderr.find("Fatal Python error")
+    end = stderr.find("Extension modules", start)
+    return stderr[max(start, 0) : end if end > 0 else None][-limit:]
 
 
 def tensorboard_hparams(log_dir: Path) -> tuple[dict[str, object], list[str]]:
