@@ -73,8 +73,9 @@ def lm(data: Path, *words: str) -> list[str]:
 def meshes(tmp_path_factory) -> dict[str, dict]:
     """On 4 XLA CPU devices in one process: (4 fsdp); (2 fsdp x 2 tensor); that mesh for 10 steps,
     then (4 fsdp) on to 20 from its checkpoint. Side by side, in processes of their own: scanned
-    layers under FSDPv2 with gradient checkpointing; on one XLA device, unrolled and scanned layers
-    with gradient checkpointing. fp32: the layouts add the same products in other orders."""
+    layers under FSDPv2 with gradient checkpointing (run again, alone, where torch_xla crashed the
+    process); on one XLA device, unrolled and scanned layers with gradient checkpointing. fp32: the
+    layouts add the same products in other orders."""
     root = tmp_path_factory.mktemp("scan")
     data = root / "data"
     corpus.synthesize(data, vocab_size=4096)
@@ -83,11 +84,14 @@ def meshes(tmp_path_factory) -> dict[str, dict]:
     across = [f"run.storage_path={root}", "run.name=across", "checkpoint.every_steps=10"]
     runs = [lm(data, *fsdp), lm(data, *tensor), lm(data, *tensor, *across, "loop.max_steps=10")]
     meshes = XlaProbe(4, *runs, lm(data, *fsdp, *across))
-    scanned = XlaProbe(4, lm(data, *fsdp, "xla.scan_layers=true", "--gradient_checkpointing"))
+    scanned_run = lm(data, *fsdp, "xla.scan_layers=true", "--gradient_checkpointing")
+    scanned = XlaProbe(4, scanned_run)
     checkpointed = lm(data, "--gradient_checkpointing")
     one_device = XlaProbe(1, checkpointed, [*checkpointed, "xla.scan_layers=true"])
     reports = dict(zip(("fsdp", "tensor", "first", "resumed"), meshes.reports(), strict=True))
     reports["unrolled_one"], reports["scanned_one"] = one_device.reports()
+    if scanned.crash():  # seen in whole-suite runs only, with the machine loaded: once more, alone
+        scanned = XlaProbe(4, scanned_run)
     crash = scanned.crash()
     reports["scanned"] = {"crash": crash} if crash else scanned.reports()[0]
     return reports
