@@ -188,7 +188,7 @@ class XlaProbe:
     def reports(self) -> list[dict]:
         """One report a run, once the process has ended."""
         done = self.done()
-        assert done.returncode == 0, fault_stacks(done.stderr) if done.returncode < 0 else done.stderr[-3000:]
+        assert done.returncode == 0, self.crash() or done.stderr[-3000:]
         reports = [json.loads(line) for line in done.stdout.strip().splitlines() if line.startswith("{")]
         assert len(reports) == self.runs, done.stdout[-3000:]
         return reports
