@@ -60,7 +60,28 @@ def architecture(job: CausalLMConfig) -> Any:  # -> transformers.PretrainedConfi
 
     if job.model_name_or_path:
         return AutoConfig.from_pretrained(job.model_name_or_path)
-    return AutoConfig.for_model(job.model_type, **{"vocab_size": job.vocab_size, **typed_model_config(job)})
+    fields = {"vocab_size": job.vocab_size, **typed_model_config(job)}
+    return AutoConfig.for_model(job.model_type, **{**special_ids_outside(job.model_type, fields), **fields})
+
+
+#: the token ids a Transformers config names, which its defaults give for the vocabulary it was made for
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_ids_outside(model_type: str, fields: dict[str, Any]) -> dict[str, None]:
+    """The special token ids of ``model_type``'s defaults that a model built with ``fields``
+    (their vocabulary) cannot embed, as None: GPT-2's 50256 or Phi-3's pad id 32000 in a
+    vocabulary of 4,096 (an embedding's padding index out of range fails the build)."""
+    from transformers import CONFIG_MAPPING
+
+    defaults = CONFIG_MAPPING[model_type]()
+    vocabulary = fields.get("vocab_size", defaults.vocab_size)
+    outside = {}
+    for name in SPECIAL_IDS:
+        value = getattr(defaults, name, None)
+        if name not in fields and isinstance(value, int) and value >= vocabulary:
+            outside[name] = None
+    return outside
 
 
 def check_architecture(job: CausalLMConfig) -> None:
@@ -193,13 +214,14 @@ class CausalLMJob(Job):
         from transformers import AutoModelForCausalLM
 
         job = cfg.job
-        attention = attention_implementation(job.attn_implementation)
+        config = architecture(job)
+        attention = attention_for(job, config)
         if job.model_name_or_path:
             model = AutoModelForCausalLM.from_pretrained(
                 job.model_name_or_path, attn_implementation=attention, dtype=torch.float32
             )
         else:
-            model = AutoModelForCausalLM.from_config(architecture(job), attn_implementation=attention)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
         if job.gradient_checkpointing:
             model.activation_checkpointing_enable({"use_reentrant": False})
         if job.fused_loss:
@@ -333,7 +355,8 @@ class CausalLMJob(Job):
         tokenizer = corpus.load_tokenizer(corpus.tokenizer_folder(job.tokenizer, job.model_name_or_path, data_root))
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.set_attn_implementation("sdpa")  # what any Transformers install has (same results, unpadded)
+        if model.config._attn_implementation == ATTENTION["causal"]:  # raytpu's name, unknown to other installs
+            model.set_attn_implementation("sdpa")  # the same kernel, with the mask Transformers builds
         model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
 
@@ -353,6 +376,32 @@ def attention_implementation(name: str) -> str:
     if name == "causal":
         AttentionInterface.register(ATTENTION[name], causal_attention)
     return ATTENTION[name]
+
+
+def attention_for(job: CausalLMConfig, config: Any) -> str | None:
+    """Transformers' attention for the job's model: ``causal`` only where it computes what the
+    architecture does over a whole block (else None: the architecture's own choice, which builds
+    the mask it needs)."""
+    if job.attn_implementation == "causal" and not plain_causal(config, job.seq_len):
+        return None
+    return attention_implementation(job.attn_implementation)
+
+
+def plain_causal(config: Any, seq_len: int) -> bool:
+    """Whether every layer of the architecture attends causally to the whole block with SDPA, as
+    the ``causal`` kernel does: not where a layer's sliding window is shorter than the block
+    (Mistral, Gemma 2 and 3), scores are soft-capped (Gemma 2), or the model has no SDPA path."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if model_class is None or not getattr(model_class, "_supports_sdpa", False):
+        return False
+    if getattr(config, "attn_logit_softcapping", None):
+        return False
+    window = getattr(config, "sliding_window", None) or 0
+    layer_types = getattr(config, "layer_types", None)
+    sliding = "sliding_attention" in layer_types if layer_types else getattr(config, "use_sliding_window", True)
+    return not (sliding and 0 < window < seq_len)
 
 
 def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs):

@@ -118,11 +118,11 @@ def export(cfg: Config, job: Job, checkpoint: str, out: str) -> Path:
     ckpt.check_weights(checkpoint)
     data_root = resolve_data_root(cfg, job, synthesize=False)
     model = job.build_model(cfg)
-    weights = ckpt.load_model_weights(checkpoint)
+    weights = ckpt.with_ties(ckpt.load_model_weights(checkpoint), model)
     mismatch = weights_mismatch(model.state_dict(), weights)
     if mismatch:
         raise ConfigError(f"{checkpoint} does not hold weights of this config's model: {mismatch}")
-    model.load_state_dict(weights, strict=True)
+    ckpt.load_into(model, weights)
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     job.export(model.eval(), cfg, data_root, target)

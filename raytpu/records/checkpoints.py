@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from raytpu.storage.run_folder import local_copy
 
@@ -162,6 +163,44 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
 def save_weights(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
     atomic_write(path, lambda tmp: save_file(tensors, tmp))
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """Each parameter (or buffer) name that shares its tensor with an earlier name, mapped to that
+    name: a tied output layer (``lm_head.weight`` -> ``model.embed_tokens.weight``). safetensors
+    refuses to write one tensor twice, and Transformers' own files hold the earlier name alone."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        if id(tensor) in first:
+            tied[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return tied
+
+
+def without_ties(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """``state_dict`` with each tied name of ``model`` left out (written once, under the earlier name)."""
+    tied = tied_names(model)
+    return {key: value for key, value in state_dict.items() if key not in tied}
+
+
+def load_into(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Load ``weights`` into ``model`` strictly, a tied name that the weights leave out (raytpu's
+    and Transformers' files hold a tied tensor once) taking its twin's tensor."""
+    model.load_state_dict(with_ties(weights, model), strict=True)
+
+
+def with_ties(weights: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """``weights`` with every tied name of ``model`` that they lack filled in from its twin."""
+    filled = dict(weights)
+    for name, twin in tied_names(model).items():
+        if name not in filled and twin in filled:
+            filled[name] = filled[twin]
+        elif twin not in filled and name in filled:
+            filled[twin] = filled[name]
+    return filled
 
 
 def save_torch(path: Path, obj: Any) -> None:

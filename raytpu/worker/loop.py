@@ -129,7 +129,7 @@ class Trainer:
         if self.throughput.note:
             self._message(self.throughput.note)
         if cfg.checkpoint.weights:
-            model.load_state_dict(ckpt.load_model_weights(cfg.checkpoint.weights), strict=True)
+            ckpt.load_into(model, ckpt.load_model_weights(cfg.checkpoint.weights))
         self.model = rt.prepare_model(model, in_warmup(self.job, cfg, 0), cfg.loop.sync_batchnorm)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg.optim, self.model, fused=rt.fused_optimizer)
@@ -459,7 +459,7 @@ class Trainer:
         cfg, rt = self.cfg, self.runtime
         self._seed()
         model = self.job.build_model(cfg)
-        model.load_state_dict(ckpt.load_model_weights(cfg.checkpoint.weights), strict=True)
+        ckpt.load_into(model, ckpt.load_model_weights(cfg.checkpoint.weights))
         self.model = rt.prepare_model(model, sync_batchnorm=cfg.loop.sync_batchnorm)
         self.ema = None
         if isinstance(self.job, CustomTest):

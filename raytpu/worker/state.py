@@ -28,11 +28,13 @@ from raytpu.records.checkpoints import (
     CheckpointWriteError,
     is_complete,
     is_sharded,
+    load_into,
     load_torch,
     reason_of,
     save_json,
     save_torch,
     save_weights,
+    without_ties,
 )
 from raytpu.runtime.base import Runtime
 from raytpu.worker.optim import keep_configured_lr
@@ -159,8 +161,9 @@ class Checkpointer:
         if rt.sharded:
             save_shards(directory / SHARDED, state)
         else:
-            model_state = rt.to_cpu(rt.unwrap(state.model).state_dict())
-            ema_state = rt.to_cpu(state.ema.state_dict()) if state.ema is not None else None
+            model = rt.unwrap(state.model)
+            model_state = without_ties(rt.to_cpu(model.state_dict()), model)
+            ema_state = without_ties(rt.to_cpu(state.ema.state_dict()), state.ema) if state.ema is not None else None
             optimizer_state = rt.to_cpu(state.optimizer.state_dict())
         if not rt.is_main:
             return
@@ -215,10 +218,10 @@ class Checkpointer:
         if loaded["shards"] is not None:
             load_shards(loaded["shards"], state)
         else:
-            self.runtime.unwrap(state.model).load_state_dict(loaded["model"])
+            load_into(self.runtime.unwrap(state.model), loaded["model"])
             state.optimizer.load_state_dict(saved["optimizer"])
         if state.ema is not None and loaded["ema"] is not None:
-            state.ema.load_state_dict(loaded["ema"])
+            load_into(state.ema, loaded["ema"])
         state.scheduler.load_state_dict(saved["scheduler"])
         keep_configured_lr(state.optimizer, state.scheduler, configured)
         self.runtime.load_scaler_state(saved.get("scaler"))
