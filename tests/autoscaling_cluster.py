@@ -1,5 +1,5 @@
 """Ray's own autoscaler on this machine, with the node types of ``cluster.yaml``, and raytpu used
-against it as a user would: ``python -m tests.autoscaling_cluster OUT SCENARIO``, run by
+against it as a user would: ``python -m tests.autoscaling_cluster OUT``, run by
 ``tests/test_autoscaling.py`` inside a PID namespace of its own (``unshare -fp --mount-proc``), so
 that the ``ray stop`` of ``cluster.yaml``'s start commands, and the end of this process, reach only
 this cluster's processes and never the test session's Ray.
@@ -14,18 +14,17 @@ worker processes by the hundred on 2 cores), a multi-host slice as that many sin
 (the fake provider launches one node per launch), idle nodes released after 6 s. Ray 2.60's wheel
 lacks the fake provider's defaults file, so the provider is named as an ``external`` one.
 
-Scenarios (each prints one JSON line of what it saw, for the test to check):
-
-* ``tpu``: the whole mirror. A client without token mode; a request no node type can satisfy;
-  then ``raytpu submit`` of MSHNet small (``scaling.runtime: auto``) through the head's job API,
-  its run written to the test session's S3 bucket: which node types the autoscaler launched,
-  where every Train worker ran, and when the TPU node was released. (Its data is a folder every
-  node of this machine has, a path on the nodes.)
-* ``gpu``: the head and the GPU node type alone. ``auto`` picking cuda and the autoscaler starting
-  the GPU node (whose worker then finds no real GPU: the choice, the request and the launch are
-  what is checked, not CUDA), the node released; then a request that gives up after its limit,
-  ``scaling.runtime=xla`` on a cluster that can start no TPU, and ``raytpu doctor`` given the
-  dashboard's address (the node types read on the head by a Ray job).
+What it does (one JSON line of what it saw, for the test to check), on the whole mirror: a
+client without token mode; a request no node type can satisfy; ``raytpu submit`` of the
+classifier of ``examples/`` (``scaling.runtime: auto``, a small model: the placement is the point)
+through the head's job API, its run written to the test session's S3 bucket: which node types the
+autoscaler launched, where every Train worker ran, and when the TPU node was released; TorchTPU
+placed on a TPU node and refused there; a ``cuda`` run for which the autoscaler starts the GPU
+node (whose worker then finds no real GPU: the request and the launch are what is checked, not
+CUDA), the node released; a request that gives up after its limit; and ``raytpu doctor`` given
+the dashboard's address (the node types read on the head by a Ray job). The runtime ``auto``
+picks from other sets of node types (cuda where only GPU types are, one line for xla where no TPU
+type is) is ``tests/test_placement.py``'s, on the same node types.
 """
 
 from __future__ import annotations
@@ -49,9 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 FAKE_HEAD_ID = "fffffffffffffffffffffffffffffffffffffffffffffffffff00000"
 FAKE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
-#: MSHNet small cut to a few seconds of XLA on the CPU PJRT device (it compiles a train and an eval step)
-TINY = ["job.base_size=32", "job.crop_size=32", "job.warm_epoch=0", "loop.epochs=1", "data.global_batch_size=4",
-        "logging.progress_bar=false", "logging.eval_images=0", "scaling.num_workers=1"]  # fmt: skip
+#: the classifier of examples/ on one worker, a global batch of 4, one epoch
+TINY = ["loop.epochs=1", "data.global_batch_size=4", "logging.progress_bar=false", "scaling.num_workers=1"]
+CLASSIFIER = "examples/classifier.yaml"
 
 
 # ------------------------------------------------------------------ the cluster
@@ -223,58 +222,40 @@ def raytpu(args: list[str], env: dict[str, str], timeout: float = 600) -> dict[s
     return {"code": done.returncode, "out": done.stdout, "err": done.stderr, "seconds": time.monotonic() - started}
 
 
-# ------------------------------------------------------------------ scenarios
-def tpu_scenario(out: Path) -> dict[str, Any]:
-    from raytpu.jobs.mshnet.synth import synthesize
-
-    data = out / "data"
-    synthesize(data, n=16, size=32, seed=0)
+# ------------------------------------------------------------------ the scenario
+def scenario(out: Path) -> dict[str, Any]:
     head = Head(out, ("tpu_v5e_8", "tpu_v5e_16_slice", "gpu_t4"))
     report: dict[str, Any] = {"start_commands": head.commands, "head_start_s": head.start_s}
     head.join()
     watch = NodeWatch(head.gcs)
-    train = ["train", "jobs/mshnet/small.yaml", "--address", head.gcs, *TINY, f"data.path={data}"]
+    data = f"data.path={out / 'data'}"  # a folder every node of this machine has (the driver makes it)
+    train = ["train", CLASSIFIER, "--address", head.gcs, *TINY, data, f"run.storage_path={out / 'results'}"]
     no_mode = {k: v for k, v in head.env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     report["no_token_mode"] = raytpu(train, {**no_mode, "HOME": str(out / "empty-home")}, timeout=120)
     report["impossible"] = raytpu([*train, "scaling.runtime=cuda", 'scaling.resources_per_worker={"GPU": 8}'], head.env)
     report["types_before_submit"] = sorted(watch.seen)
     runs = os.environ["RAYTPU_AUTOSCALING_RUNS"]
-    submit = ["submit", "jobs/mshnet/small.yaml", *TINY, f"data.path={data}", f"run.storage_path={runs}"]
-    submit += ["run.name=on-demand", "--address", head.dashboard]
+    submit = ["submit", CLASSIFIER, *TINY, data, f"run.storage_path={runs}", "run.name=on-demand"]
+    submit += ["--address", head.dashboard]
     report["submit"] = raytpu(submit, head.env, timeout=900)
     report["types_launched"] = sorted(watch.seen)
     report["workers"] = [{**w, "node_type": watch.types_of.get(w["node_id"])} for w in train_workers(head.dashboard)]
     report["runtime_env"] = submitted_runtime_env(head)
     # TorchTPU on the TPU node: a worker on a chip, over tpu_dist, which the fake node (no torch_tpu) refuses
-    asked = [*train, "scaling.runtime=torch_tpu", f"run.storage_path={out / 'results'}"]
-    report["torch_tpu"] = raytpu(asked, head.env, timeout=300)
+    report["torch_tpu"] = raytpu([*train, "scaling.runtime=torch_tpu"], head.env, timeout=300)
     earlier = {w["actor_id"] for w in report["workers"]}
     report["torch_tpu_workers"] = [
         {**w, "node_type": watch.types_of.get(w["node_id"])}
         for w in train_workers(head.dashboard)
         if w["actor_id"] not in earlier
     ]
-    report["released_after_s"] = watch.wait_until_gone("tpu_v5e_8", timeout=120)
-    watch.stop()
-    return report
-
-
-def gpu_scenario(out: Path) -> dict[str, Any]:
-    from raytpu.jobs.mshnet.synth import synthesize
-
-    data = out / "data"
-    synthesize(data, n=16, size=32, seed=0)
-    head = Head(out, ("gpu_t4",))
-    head.join()
-    watch = NodeWatch(head.gcs)
-    train = ["train", "jobs/mshnet/small.yaml", "--address", head.gcs, *TINY, f"data.path={data}"]
-    train += [f"run.storage_path={out / 'results'}"]
-    report: dict[str, Any] = {"auto": raytpu(train, head.env)}
-    report["types_launched"] = sorted(watch.seen)
-    report["released_after_s"] = watch.wait_until_gone("gpu_t4", timeout=120)
-    report["gives_up"] = raytpu([*train, "scaling.node_start_timeout_s=0.5"], head.env)
-    report["xla_without_tpu"] = raytpu([*train, "scaling.runtime=xla"], head.env, timeout=120)
-    report["torch_tpu_without_tpu"] = raytpu([*train, "scaling.runtime=torch_tpu"], head.env, timeout=120)
+    report["tpu_released_after_s"] = watch.wait_until_gone("tpu_v5e_8", timeout=120)
+    watch.wait_until_gone("tpu_v5e_16_slice", timeout=120)  # a host TorchTPU's worker may have started
+    watch.seen.clear()
+    report["cuda"] = raytpu([*train, "scaling.runtime=cuda"], head.env)
+    report["types_launched_for_cuda"] = sorted(watch.seen)
+    report["gpu_released_after_s"] = watch.wait_until_gone("gpu_t4", timeout=120)
+    report["gives_up"] = raytpu([*train, "scaling.runtime=cuda", "scaling.node_start_timeout_s=0.5"], head.env)
     report["doctor"] = raytpu(["doctor", "--json", "--timeout", "120", "--address", head.dashboard], head.env)
     watch.stop()
     return report
@@ -297,17 +278,17 @@ def submitted_runtime_env(head: Head) -> list[Any]:
     return [job.runtime_env for job in client.list_jobs()]
 
 
-def main(out: Path, scenario: str) -> None:
+def main(out: Path) -> None:
     """The cluster's token and a home of its own (nothing lands in the user's ``~/.ray``), in the
     environment of this process (before Ray reads it) and of everything it starts."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "home").mkdir(exist_ok=True)
     os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "HOME": str(out / "home")})
     os.environ.pop("RAY_ADDRESS", None)
-    report = {"tpu": tpu_scenario, "gpu": gpu_scenario}[scenario](out)
+    report = scenario(out)
     print(json.dumps(report), flush=True)
     subprocess.run(["bash", "-c", shlex.join([str(VENV_BIN / "ray"), "stop", "--force"])], capture_output=True)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]))

@@ -1,13 +1,12 @@
-"""A run whose folder is an S3 bucket, on a real multi-node Ray cluster on this machine.
+"""A run whose folder is an S3 bucket, on a real multi-node Ray cluster on this machine: a scenario
+of ``tests/multinode_cluster.py``, with the S3 server's endpoint and keys in the environment,
+which every node reads, as a cloud VM reads its own.
 
-Run by ``tests/test_buckets.py`` as ``python -m tests.bucket_cluster OUT`` (a Ray cluster of its
-own, apart from the test session's instance), with the S3 server's endpoint and keys in the
-environment, which every node reads, as a cloud VM reads its own. A head without CPUs and two
-worker nodes of one CPU each, every node with a temporary folder of its own (``TMPDIR``): MSHNet
-small trains on 2 workers (one per node) into ``s3://BUCKET/cluster``; one worker is SIGKILLed after
-the first checkpoint and the run resumes from the bucket; the same run trains again, uninterrupted,
-in 2 local processes (``--local``) into a local folder; ``raytpu test`` evaluates the bucket's final
-checkpoint. Prints one JSON line.
+On the cluster's head without CPUs and its two worker nodes of one CPU each, every node with a
+temporary folder of its own (``TMPDIR``): MSHNet small trains on 2 workers (one per node) into
+``s3://BUCKET/cluster``; one worker is SIGKILLed after the first checkpoint and the run resumes from
+the bucket; the same run trains again, uninterrupted, in 2 local processes (``--local``) into a
+local folder; ``raytpu test`` evaluates the bucket's final checkpoint. Returns what it saw.
 """
 
 from __future__ import annotations
@@ -15,10 +14,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from tests.stores import BUCKET
 
@@ -78,45 +77,31 @@ def leftovers(folders: list[Path]) -> list[str]:
     return sorted({str(p.parent.parent if p.parent.name == "rng" else p.parent) for p in files})
 
 
-def main(out: Path) -> None:
-    import ray
-    from ray.cluster_utils import Cluster
-
+def scenario(cluster: Any, out: Path, node_tmp: list[Path]) -> dict[str, Any]:
+    """The run on ``cluster`` (its worker nodes' temporary folders: ``node_tmp``), from ``out``."""
     from raytpu.jobs.mshnet.synth import synthesize
     from raytpu.storage.run_folder import RunFolder
 
     config = Path(__file__).resolve().parents[1] / "jobs" / "mshnet" / "small.yaml"
     synthesize(out / "data", n=40, size=32, seed=0)
     data = [f"data.path={out / 'data'}"]
-    node_tmp = [out / "node1-tmp", out / "node2-tmp"]
-    # no dashboard: nothing here reads it (tests/fake_tpu_cluster.py: 8 of 80 s of CPU)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    try:
-        for folder in node_tmp:
-            folder.mkdir()
-            cluster.add_node(num_cpus=1, env_vars={"TMPDIR": str(folder)})
-        cluster.wait_for_nodes()
-        os.environ["RAY_ADDRESS"] = cluster.address
-        killed: list[int] = []
-        folder = RunFolder(f"{RUNS}/killed")
-        killer = threading.Thread(target=kill_a_worker_after_the_first_checkpoint, args=(folder, node_tmp, killed))
-        killer.start()
-        codes = {"killed": train(config, RUNS, "killed", *data, "checkpoint.max_failures=1")}
-        killer.join()
-        # the reference: the same run uninterrupted, in local processes (--local runs the same loop
-        # on the same gloo group, and starts no workers through Ray: seconds instead of half a minute)
-        codes["straight"] = train(config, str(out / "results"), "straight", *data, "--local")
-        final = max(n for n in folder.children() if n.startswith("checkpoint_0"))
-        report = {"codes": codes, "killed": killed, "final": final, "bucket": folder.children()}
-        report["tensorboard"] = folder.children("tensorboard")
-        report["leftovers"] = leftovers(node_tmp)
-        report["local_run_dirs"] = sorted(str(p) for p in Path.cwd().rglob("killed"))
-        code = test(config, folder.uri(final), data, out / "test-bucket.json")
-        report["test_bucket"] = json.loads((out / "test-bucket.json").read_text()) if code == 0 else code
-        print(json.dumps(report), flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    killed: list[int] = []
+    folder = RunFolder(f"{RUNS}/killed")
+    killer = threading.Thread(target=kill_a_worker_after_the_first_checkpoint, args=(folder, node_tmp, killed))
+    killer.start()
+    codes = {"killed": train(config, RUNS, "killed", *data, "checkpoint.max_failures=1")}
+    killer.join()
+    # the reference: the same run uninterrupted, in local processes (--local runs the same loop
+    # on the same gloo group, and starts no workers through Ray: seconds instead of half a minute)
+    codes["straight"] = train(config, str(out / "results"), "straight", *data, "--local")
+    final = max(n for n in folder.children() if n.startswith("checkpoint_0"))
+    report = {"codes": codes, "killed": killed, "final": final, "bucket": folder.children()}
+    report["tensorboard"] = folder.children("tensorboard")
+    report["leftovers"] = leftovers(node_tmp)
+    report["local_run_dirs"] = sorted(str(p) for p in Path.cwd().rglob("killed"))
+    code = test(config, folder.uri(final), data, out / "test-bucket.json")
+    report["test_bucket"] = json.loads((out / "test-bucket.json").read_text()) if code == 0 else code
+    return report
 
 
 def test(config: Path, checkpoint: str, data: list[str], into: Path) -> int:
@@ -133,7 +118,3 @@ def test(config: Path, checkpoint: str, data: list[str], into: Path) -> int:
     if code == 0:
         into.write_text(printed.getvalue().strip().splitlines()[-1])
     return code
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+#: how tests/xla_probe.py marks the line of a run's prepared model
+PREPARED = "PREPARED "
 
 #: torch_xla on the CPU PJRT device (in this process, its subprocesses and the Ray workers it
 #: starts) compiles with LLVM at -O0 and XLA's older CPU fusion code generator: what the tests check
@@ -41,6 +43,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 #: come last and even out the ends of the two processes; handed out by number of tests instead, a
 #: 2-minute learning test came last and the other process sat idle for 3 minutes of a 20-minute suite
 LONGEST_FIRST = (
+    "test_multinode.py",
     "test_tune.py",
     "test_autoscaling.py",
     "test_launch.py",
@@ -53,12 +56,10 @@ LONGEST_FIRST = (
     "test_cdeit_learning.py",
     "test_mshnet_learning.py",
     "test_submit.py",
-    "test_elastic_cluster.py",
     "test_sharding.py",
     "test_mesh.py",
     "test_scan.py",
     "test_integration_ray.py",
-    "test_fake_tpu_cluster.py",
     "test_notebook.py",
     "test_full_disk.py",
     "test_ingest_ray.py",
@@ -74,6 +75,9 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
+    for item in items:  # a test on the session's Ray is an integration test (scripts/test.sh --fast leaves it out)
+        if "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")
@@ -129,15 +133,6 @@ def finish(process: subprocess.Popen, timeout: int = 900) -> subprocess.Complete
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
-def run_cluster_script(module: str, out: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    """``python -m MODULE OUT`` in ``out``: a script that starts a Ray cluster of its own, apart from
-    the session's instance (no ``RAY_ADDRESS``), with the session's storage servers in its environment."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("RAY_ADDRESS", None)
-    command = [sys.executable, "-m", module, str(out)]
-    return subprocess.run(command, cwd=out, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 @functools.cache
 def pid_namespace_refusal() -> str:
     """Why this machine runs no process in a PID namespace of its own ("" where it does)."""
@@ -184,6 +179,11 @@ class XlaProbe:
         """What killed the process, where a signal did ("" where it ended by itself)."""
         done = self.done()
         return f"signal {-done.returncode}: {fault_stacks(done.stderr)}" if done.returncode < 0 else ""
+
+    def prepared(self) -> list[dict]:
+        """How each run that got to its first step prepared its model, also where the process crashed."""
+        lines = self.done().stdout.splitlines()
+        return [json.loads(line.removeprefix(PREPARED)) for line in lines if line.startswith(PREPARED)]
 
     def reports(self) -> list[dict]:
         """One report a run, once the process has ended."""

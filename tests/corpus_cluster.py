@@ -1,19 +1,18 @@
-"""The causal LM on a corpus in S3, streamed by Ray Data on a real multi-node Ray cluster on this machine.
+"""The causal LM on a corpus in S3, streamed by Ray Data on a real multi-node Ray cluster on this
+machine: a scenario of ``tests/multinode_cluster.py``, with the S3 server's endpoint and keys in
+the environment, which every node reads.
 
-Run by ``tests/test_corpus_ray.py`` as ``python -m tests.corpus_cluster OUT`` (a Ray cluster of its
-own, apart from the test session's instance), with the S3 server's endpoint and keys in the
-environment, which every node reads. A head with one CPU (where the tokenizing tasks and the feeder
-run, as on a cluster of a CPU head and accelerator hosts) and two worker nodes of one CPU each, one
-training worker on each: the JSON-lines and parquet shards in ``s3://BUCKET/corpus-cluster/`` train
-the causal LM at ``seq_len`` 256, then 512. Prints one JSON line.
+The cluster's two worker nodes of one CPU each, one training worker on each, and a third node of
+one CPU added for the scenario, where the tokenizing tasks and the feeder run (as on a cluster of a
+CPU host and accelerator hosts): the JSON-lines and parquet shards in ``s3://BUCKET/corpus-cluster/``
+train the causal LM at ``seq_len`` 256, then 512. Returns what it saw.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
+from typing import Any
 
 from tests.corpus_files import stdlib_documents, write_shards
 from tests.stores import BUCKET
@@ -38,36 +37,22 @@ def upload(folder: Path, location: str) -> None:
     pafs.copy_files(str(folder), base, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
 
 
-def main(out: Path) -> None:
-    import ray
-    from ray.cluster_utils import Cluster
-
+def scenario(cluster: Any, out: Path, node_tmp: list[Path]) -> dict[str, Any]:
+    """The two runs on ``cluster``, with a node of one CPU added for their tasks (removed after)."""
     from raytpu import cli
     from raytpu.corpus.index import read_index
 
     write_shards(out / "shards", stdlib_documents(60_000), jsonl=3, parquet=2)
     upload(out / "shards", CORPUS)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    report: dict[str, object] = {}
+    (out / "tasks-tmp").mkdir()
+    tasks = cluster.add_node(num_cpus=1, env_vars={"TMPDIR": str(out / "tasks-tmp")})
+    cluster.wait_for_nodes()
+    report: dict[str, Any] = {}
     try:
-        for index in range(2):
-            folder = out / f"node{index}-tmp"
-            folder.mkdir()
-            cluster.add_node(num_cpus=1, env_vars={"TMPDIR": str(folder)})
-        cluster.wait_for_nodes()
-        os.environ["RAY_ADDRESS"] = cluster.address
         for length in (256, 512):
             where = [f"data.path={out / f'prepared-{length}'}", "--output_dir", str(out / "runs")]
-            words = [
-                "train",
-                str(SMALL),
-                *TINY,
-                "--streaming",
-                "--train_file",
-                f"{CORPUS}/",
-                "--block_size",
-                str(length),
-            ]
+            words = ["train", str(SMALL), *TINY, "--streaming", "--train_file", f"{CORPUS}/"]
+            words += ["--block_size", str(length)]
             code = cli.main([*words, *where, "--run_name", f"lm-{length}"])
             summary = json.loads((out / "runs" / f"lm-{length}" / "summary.json").read_text())
             index = read_index(out / f"prepared-{length}")
@@ -78,11 +63,6 @@ def main(out: Path) -> None:
                 "blocks": index.train_blocks if index else None,
                 "units": [unit.root for unit in index.sources.train] if index else [],
             }
-        print(json.dumps(report), flush=True)
     finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+        cluster.remove_node(tasks)
+    return report

@@ -1,8 +1,5 @@
 """Runs on a Ray cluster of several nodes on this machine, with capacity taken away and given back:
-``python -m tests.elastic_cluster OUT VARIANT [VARIANT ...]``, run by
-``tests/test_elastic_cluster.py`` in a PID namespace of its own (``unshare -fp --mount-proc``), so
-that what this cluster starts ends with it and never touches the test session's Ray; and by
-``bench/elastic.py``.
+the last scenario of ``tests/multinode_cluster.py`` (it removes nodes), and ``bench/elastic.py``'s.
 
 The cluster (``ray.cluster_utils.Cluster``): a head with no CPU for workers and two nodes of one
 CPU each. Each variant is ``raytpu train`` of the toy job, started as a user would, from a
@@ -12,9 +9,9 @@ the first checkpoint is written; ``fsdp``: as soon as the driver has said its pl
 before any ran a step), the run goes on with one worker, the global batch kept, and once the run
 says so a node is added back (it grows to two at its next checkpoint). ``fixed`` runs two
 workers and one failure allowed, and one worker's process is killed after the first checkpoint:
-the restart of a fixed-size run, for comparison. Prints one JSON line: each variant's exit code,
-output, seconds, and when each disruption happened (``Cluster.add_node`` must run on the main
-thread: this process's).
+the restart of a fixed-size run, for comparison. What each variant saw: its exit code, output, seconds,
+when each disruption happened (``Cluster.add_node`` must run on the main thread: this process's),
+and what the run left (its summary, its checkpoints' records, the samples of every step).
 """
 
 from __future__ import annotations
@@ -156,14 +153,19 @@ def start_cluster() -> Any:
     return cluster
 
 
-def main(out: Path, variants: list[str]) -> None:
-    cluster = start_cluster()
-    try:
-        report = {variant: run_variant(cluster, out, variant) for variant in variants}
-    finally:
-        cluster.shutdown()
-    print(json.dumps(report), flush=True)
+#: the variants the suite runs (bench/elastic.py runs ``fixed`` too)
+SUITE_VARIANTS = ("ddp", "fsdp")
 
 
-if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+def scenario(cluster: Any, out: Path, node_tmp: list[Path]) -> dict[str, Any]:
+    """The suite's variants on ``cluster`` (a head without CPUs and two nodes of one CPU), each
+    with what its run left in its folder."""
+    report = {}
+    for variant in SUITE_VARIANTS:
+        found = run_variant(cluster, out, variant)
+        run_dir = Path(found["run_dir"])
+        found["summary"] = json.loads((run_dir / "summary.json").read_text())
+        found["metas"] = [json.loads(p.read_text()) for p in sorted(run_dir.glob("checkpoint_*/meta.json"))]
+        found["seen"] = seen_records(Path(found["seen"]))
+        report[variant] = found
+    return report

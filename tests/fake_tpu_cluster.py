@@ -1,8 +1,7 @@
-"""Schedule raytpu's TPU requests on a fake TPU cluster and report where every worker ran.
-
-Run in its own process (it starts its own Ray cluster): ``python -m tests.fake_tpu_cluster OUT``.
-The cluster is a CPU head and two v4-16 slices (2 hosts x 4 chips each), each host a
-``ray.cluster_utils.Cluster`` node advertising what Ray advertises on a real TPU VM: resource
+"""Schedule raytpu's TPU requests on a fake TPU cluster and report where every worker ran: a scenario
+of ``tests/multinode_cluster.py``, which adds two v4-16 slices (2 hosts x 4 chips each) to its
+cluster for it (and removes them after), each host a ``ray.cluster_utils.Cluster`` node
+advertising what Ray advertises on a real TPU VM: resource
 ``TPU`` (chips), ``accelerator_type:TPU-V4``, ``TPU-v4-16-head`` on host 0, the
 ``ray.io/tpu-*`` labels, and the ``TPU_*`` variables Ray reads its slice name and worker id from.
 
@@ -23,11 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+SMALL = Path(__file__).resolve().parents[1] / "jobs" / "mshnet" / "small.yaml"
 POD_TYPE, TOPOLOGY, ACCELERATOR, CHIPS_PER_HOST, HOSTS_PER_SLICE = "v4-16", "2x2x2", "TPU-V4", 4, 2
 SLICES = ("slice-a", "slice-b")
 LAYOUT_WORKERS = {"multiprocess": 8}  # spmd: the elastic run's group of one slice (run_elastic)
@@ -98,7 +97,7 @@ def run_layout(layout: str, out: Path) -> None:
     from raytpu.driver.ray_trainer import build_trainer
 
     cfg, _ = load_config(
-        "jobs/mshnet/small.yaml",
+        SMALL,
         [
             "runtime=xla",
             f"scaling.tpu.accelerator_type={ACCELERATOR}",
@@ -147,7 +146,7 @@ def run_elastic(cluster: Any, hosts: dict[tuple[str, int], Any], out: Path) -> N
 
     slices = ["runtime=xla", f"scaling.tpu.accelerator_type={ACCELERATOR}", f"scaling.tpu.topology={TOPOLOGY}"]
     words = [*slices, "scaling.tpu.slices=1:2", f"run.storage_path={out / 'results'}", "data.global_batch_size=16"]
-    cfg, _ = load_config("jobs/mshnet/small.yaml", words)
+    cfg, _ = load_config(SMALL, words)
     plan = make_plan(with_values(cfg, {"run.name": "fake-tpu-elastic"}), Facts(mode="train", data_root=str(out)))
     records = out / "elastic"
     records.mkdir(parents=True)
@@ -172,28 +171,31 @@ def run_elastic(cluster: Any, hosts: dict[tuple[str, int], Any], out: Path) -> N
     assert done.wait(240), "the run did not end on one slice"
 
 
-def main(out: Path) -> None:
+def scenario(cluster: Any, out: Path, node_tmp: list[Path]) -> dict[str, Any]:
+    """Both slices added to ``cluster``, the runs, what they recorded; slice-a's hosts removed after
+    (the elastic run removes slice-b's)."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    # no dashboard: nothing here reads it, and its processes cost 8 of this run's 80 s of CPU
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    hosts = {}
+    for slice_name in SLICES:
+        for worker_id in range(2):
+            hosts[(slice_name, worker_id)] = cluster.add_node(**tpu_host(slice_name, worker_id))
+    cluster.wait_for_nodes()
     try:
-        hosts = {}
-        for slice_name in SLICES:
-            for worker_id in range(2):
-                hosts[(slice_name, worker_id)] = cluster.add_node(**tpu_host(slice_name, worker_id))
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
+        if not ray.is_initialized():
+            ray.init(address=cluster.address, log_to_driver=False)
         nodes = {n["NodeID"]: n.get("Labels", {}) for n in ray.nodes() if n["Alive"]}
-        (out / "nodes.json").write_text(json.dumps(nodes))
         for layout in LAYOUT_WORKERS:
             run_layout(layout, out)
         run_elastic(cluster, hosts, out)
     finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+        for host in hosts.values():
+            if host in cluster.worker_nodes:  # slice-b's are gone once the elastic run took them away
+                cluster.remove_node(host)
+    elastic = {
+        "plan": json.loads((out / "elastic_plan.json").read_text()),
+        "records": [json.loads(p.read_text()) for p in sorted((out / "elastic").glob("world*_rank*.json"))],
+        "resizes": json.loads((out / "results" / "fake-tpu-elastic" / "resizes.json").read_text()),
+    }
+    multiprocess = [json.loads(p.read_text()) for p in sorted((out / "multiprocess").glob("rank_*.json"))]
+    return {"nodes": nodes, "elastic": elastic, "multiprocess": multiprocess}

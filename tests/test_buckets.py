@@ -1,7 +1,7 @@
 """Run folders in a bucket (``s3://``, ``gs://``), against real storage servers on loopback: the
-filesystem layer, a run on a multi-node Ray cluster killed and resumed from S3, a run on GCS that
-resumes past a damaged newest checkpoint, and tests of checkpoints in a bucket. (Tune, launch,
-submit and Ray Data with a bucket: in their own test files.)"""
+filesystem layer, a run on GCS that resumes past a damaged newest checkpoint, and tests of
+checkpoints in a bucket. (A run on a multi-node cluster killed and resumed from S3:
+``tests/test_multinode.py``; tune, launch, submit and Ray Data with a bucket: in their own test files.)"""
 
 from __future__ import annotations
 
@@ -11,14 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from raytpu import cli
 from raytpu.errors import ConfigError
 from raytpu.storage.filesystems import check_location, diagnose, is_remote, join
 from raytpu.storage.run_folder import RunFolder, local_copy
-from tests.conftest import run_cluster_script
 from tests.stores import BUCKET, free_port
 
 
@@ -130,36 +127,6 @@ def test_a_run_in_s3_shows_its_curves_while_an_epoch_runs(stores, tmp_path):
     assert max(event.step for event in final) == 32
 
 
-# ------------------------------------------------------------------ a multi-node cluster on S3
-@pytest.mark.integration
-def test_a_run_in_s3_on_three_nodes_resumes_after_a_kill_bit_identical_to_a_local_run(stores, tmp_path):
-    """MSHNet small on 2 workers of a head and two worker nodes, its folder in S3: a SIGKILLed
-    worker after the first checkpoint, the group restarted from the bucket's checkpoint; the final
-    weights equal those of the same run uninterrupted (in 2 local processes) in a local folder, bit
-    for bit; ``raytpu test`` of the bucket's final checkpoint gives that run's last evaluation;
-    nothing of the run is left on the nodes' disks."""
-    done = run_cluster_script("tests.bucket_cluster", tmp_path)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "multiple active Ray instances" not in done.stdout + done.stderr  # the session's runs beside it
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["codes"] == {"killed": 0, "straight": 0}, report
-    assert [type(pid) for pid in report["killed"]] == [int], report  # else the error that kept it alive
-    assert report["final"] == "checkpoint_00000012"  # 32 train images, 8 a step: 4 steps an epoch, 3 epochs
-    assert "config.yaml" in report["bucket"] and report["tensorboard"], report["bucket"]
-    assert len(report["leftovers"]) <= 1 and not report["local_run_dirs"], report  # at most the killed worker's
-    from raytpu.storage.run_folder import RunFolder
-
-    final = report["final"]
-    # MSHNet evaluates on its test split: the same weights' test metrics are the run's last evaluation
-    evaluated = json.loads((tmp_path / "results" / "straight" / final / "meta.json").read_text())["metrics"]
-    expected = {f"test/{name}": evaluated[f"valid/{name}"] for name in ("mIoU", "nIoU", "Pd", "Fa")}
-    assert report["test_bucket"] == pytest.approx(expected, rel=1e-6, abs=1e-9), report
-    in_bucket = load_file(RunFolder(f"s3://{BUCKET}/cluster/killed").fetch(final) / "model.safetensors")
-    straight = load_file(tmp_path / "results" / "straight" / final / "model.safetensors")
-    for key in straight:
-        torch.testing.assert_close(in_bucket[key], straight[key], rtol=0, atol=0)
-
-
 # ------------------------------------------------------------------ GCS on the session's instance
 def train(config: Path, name: str, *extra: str) -> int:
     common = ["scaling.num_workers=2", "data.global_batch_size=8", "loop.log_every=1", "logging.progress_bar=false",
@@ -227,11 +194,9 @@ def test_a_store_lost_mid_run_ends_it_in_one_line_and_its_last_checkpoint_resume
             "run.name=lost"]  # fmt: skip
     stopper = when_written(folder, "checkpoint_00000008/meta.json", server.stop)
     capfd.readouterr()
-    started = time.monotonic()
     assert cli.main(argv) == 1
     stopper.join()
     err = capfd.readouterr().err.strip().splitlines()
-    assert time.monotonic() - started < 120
     assert len(err) == 1 and err[0].startswith("raytpu: error: the run's store stopped answering"), err[-10:]
     assert "the last complete checkpoint in it is kept" in err[0]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

@@ -6,7 +6,6 @@ worker, training at every step exactly the blocks the order says (``raytpu.corpu
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from raytpu.corpus.index import Sources, corpus_index, read_index
 from raytpu.corpus.order import EpochOrder
 from raytpu.corpus.packing import Packing, TokenizerEncoder, count_unit
 from raytpu.corpus.sources import find_units
-from tests.conftest import ROOT, run_cluster_script
+from tests.conftest import ROOT
 from tests.corpus_files import WordEncoder, expected_steps, row_hash, stdlib_documents, steps_seen, write_shards
 
 SMALL = ROOT / "jobs" / "causal_lm" / "small.yaml"
@@ -109,19 +108,3 @@ def test_every_step_trains_the_blocks_of_the_order_through_a_restart_and_a_resiz
     assert [trained[step] for step in range(1, 21)] == expected[:20]
     summary = json.loads((out / "runs" / "lm" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["step"] == 20
-
-
-# ------------------------------------------------------------------ a multi-node cluster, a corpus in S3
-def test_a_corpus_in_s3_trains_at_256_and_512_tokens_on_three_nodes(stores, tmp_path):
-    """The causal LM streamed from JSON-lines and parquet shards in S3 on a head and two worker nodes
-    (tests/corpus_cluster.py), at seq_len 256 and 512: each run ends at its last step with a finite
-    validation loss, from an index of the bucket's files, with half as many blocks at 512."""
-    done = run_cluster_script("tests.corpus_cluster", tmp_path)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    for length in ("256", "512"):
-        run = report[length]
-        assert run["code"] == 0 and run["step"] == 4, report
-        assert math.isfinite(run["metrics"]["valid/loss"]), report
-        assert run["units"] and all(root.startswith("s3://") for root in run["units"]), report
-    assert abs(report["256"]["blocks"] - 2 * report["512"]["blocks"]) <= len(report["512"]["units"]), report

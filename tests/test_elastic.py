@@ -3,7 +3,7 @@ every size (the global batch kept, accumulation absorbing the change, a size tha
 refused), the data position exact in samples across a change of size, the controller's record of
 each change and its failure budget, goodput's ``resizing`` time, a group that stops at a
 checkpoint to grow, and the commands that refuse a range. The multi-node runs that lose and regain
-a node are in ``tests/test_elastic_cluster.py``."""
+a node are in ``tests/test_multinode.py``."""
 
 from __future__ import annotations
 

@@ -1,20 +1,24 @@
 """A full disk, for real: a 2 MB tmpfs mounted in a private mount namespace (``unshare -m``, as
 root), filled by each way a run writes (torch.save's C++ writer, safetensors, DCP shards, a staged
-folder copied in, a JSON record, TensorBoard events). Each failure reads as one line naming the folder and the space
-left, never as the writer's own message (``unexpected pos 576 vs 534``, a list of errno tuples)."""
+folder copied in, a JSON record, TensorBoard events). Each failure reads as one line naming the
+folder and the space left, never as the writer's own message (``unexpected pos 576 vs 534``, a
+list of errno tuples). And runs whose folder is on a 20 MB tmpfs that another program fills: on
+local processes and on Ray workers under FSDP2, one console line, then resumed once there is room."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from raytpu import cli
 from tests.conftest import ROOT
 
 SCRIPT = 'mount -t tmpfs -o size=2m tmpfs "$1" && exec "$2" -m tests.full_disk_probe "$1" "$3"'
@@ -68,38 +72,23 @@ def test_a_full_disk_anywhere_in_an_error_s_chain_is_the_one_line_and_a_worker_r
     assert fixable_line(RuntimeError("a bug")) is None
 
 
-RUN = (
-    'mount -t tmpfs -o size=40m tmpfs "$1" && "$2" -m raytpu.cli train --local jobs/mshnet/small.yaml '
-    'checkpoint.every_steps=10 loop.max_steps=30 logging.progress_bar=false run.storage_path="$1" data.path="$3" '
-    '2>"$1.first"; echo "first=$?"; mount -o remount,size=400m "$1" && "$2" -m raytpu.cli train --local '
-    "jobs/mshnet/small.yaml checkpoint.every_steps=10 loop.max_steps=30 logging.progress_bar=false "
-    'run.storage_path="$1" data.path="$3"; echo "second=$?"'
-)
+#: the toy job on 2 workers: 16 steps, a checkpoint every 4
+TOY = ["scaling.num_workers=2", "data.global_batch_size=8", "loop.epochs=2", "checkpoint.every_steps=4",
+       "logging.progress_bar=false"]  # fmt: skip
 
 
-@pytest.mark.integration
-def test_a_local_run_whose_disk_fills_says_one_line_and_resumes_once_there_is_room(tmp_path):
-    """MSHNet small on 2 local processes, its run folder on a 40 MB tmpfs: the first checkpoint fits,
-    the second does not. The console says it in one line (no traceback), exit 1; the first
-    checkpoint is whole, and the same command resumes from it once the filesystem has room."""
-    runs, data = tmp_path / "runs", tmp_path / "data"
-    runs.mkdir()
-    command = ["unshare", "-m", "sh", "-c", RUN, "sh", str(runs), sys.executable, str(data)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    if "first=" not in done.stdout:
-        pytest.skip(f"no private mount namespace with a tmpfs here (root is needed): {done.stderr.strip()}")
-    first = (tmp_path / "runs.first").read_text()
-    assert "first=1" in done.stdout, done.stdout[-3000:] + first
-    said = [line for line in first.splitlines() if line.strip()]
-    errors = [line for line in said if line.startswith("raytpu: error:")]
-    assert len(errors) == 1 and "no space left on its disk" in errors[0], first
-    assert "Traceback" not in first and "[rank" not in first, first
-    assert "resumed from" in done.stdout and "second=0" in done.stdout, done.stdout[-3000:]
-
-
-#: the toy job under FSDP2 on 2 workers: 16 steps, a checkpoint every 4
-SHARDED_TOY = ["--fsdp", "full_shard", "scaling.num_workers=2", "data.global_batch_size=8", "loop.epochs=2",
-               "checkpoint.every_steps=4", "logging.progress_bar=false"]  # fmt: skip
+@contextlib.contextmanager
+def tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``folder`` (where the session's Ray workers and local processes
+    see it too); the test skips where none can be mounted (root is needed)."""
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"no tmpfs can be mounted here (root is needed): {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
 def fill(path: Path) -> None:
@@ -110,39 +99,63 @@ def fill(path: Path) -> None:
             out.flush()
 
 
-@pytest.mark.integration
-def test_a_sharded_ray_run_whose_disk_fills_says_one_line_and_resumes_once_there_is_room(ray_session, tmp_path):
-    """The toy job under FSDP2 on 2 Ray workers, its run folder on a 20 MB tmpfs that another
-    program fills after the first checkpoint: the next checkpoint's DCP shards (or another record
-    of the run) do not fit. The console says it in one line (no traceback), exit 1; once the space
-    is freed, the same command resumes from the first checkpoint and completes."""
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(runs)]  # seen by the session's Ray workers
-    mounted = subprocess.run(mount, capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"no tmpfs can be mounted here (root is needed): {mounted.stderr.strip()}")
-    try:
-        config = tmp_path / "toy.yaml"
-        config.write_text(f"job: {{name: tests.toy_job}}\ndata: {{path: {tmp_path}}}\nrun: {{name: toy}}\n")
-        address = ray_session.get_runtime_context().gcs_address
-        command = [sys.executable, "-m", "raytpu.cli", "train", str(config), *SHARDED_TOY, f"run.storage_path={runs}"]
-        command += ["--address", address]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        first = subprocess.Popen([*command, "job.step_sleep=0.5"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
-        checkpointed = runs / "toy" / "checkpoint_00000004" / "meta.json"
-        deadline = time.monotonic() + 600  # a guard against a hang only
-        while not checkpointed.is_file() and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        fill(runs / "filler")
-        out, err = first.communicate(timeout=600)
-        (runs / "filler").unlink()
-        second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    finally:
-        subprocess.run(["umount", "-l", str(runs)], capture_output=True)
-    assert first.returncode == 1, out[-3000:] + err[-3000:]
+def fill_after(marker: Path, filler: Path) -> threading.Thread:
+    """A thread that fills the disk of ``filler`` once ``marker`` (the first checkpoint's record) is
+    there, or once 600 s have passed (a guard against a hang only)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 600
+        while not marker.is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        fill(filler)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def run_out_of_room(argv: list[str], runs: Path, capfd) -> tuple[int, str, int, str]:
+    """``raytpu train`` (in this process) whose run folder fills after its first checkpoint, then the
+    same command once the space is freed: both exit codes and what each printed."""
+    filling = fill_after(runs / "toy" / "checkpoint_00000004" / "meta.json", runs / "filler")
+    first = cli.main([*argv, "job.step_sleep=0.5"])
+    filling.join()
+    said = capfd.readouterr()
+    (runs / "filler").unlink()
+    second = cli.main(argv)
+    return first, said.err, second, capfd.readouterr().out
+
+
+def assert_one_line_then_resumed(first: int, err: str, second: int, out: str) -> None:
+    """One console line (no traceback), exit 1; once the space is freed, resumed from the first
+    checkpoint and completed."""
+    assert first == 1, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("raytpu: error:")]
     assert len(errors) == 1 and "no space left on its disk" in errors[0], err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    assert second.returncode == 0 and "resumed from" in second.stdout, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "Traceback" not in err and "[rank" not in err, err[-3000:]
+    assert second == 0 and "resumed from" in out, out[-3000:]
+
+
+def toy_config(tmp_path: Path) -> Path:
+    config = tmp_path / "toy.yaml"
+    config.write_text(f"job: {{name: tests.toy_job}}\ndata: {{path: {tmp_path}}}\nrun: {{name: toy}}\n")
+    return config
+
+
+@pytest.mark.integration
+def test_a_local_run_whose_disk_fills_says_one_line_and_resumes_once_there_is_room(tmp_path, capfd):
+    """The toy job on 2 local processes (``--local``), its run folder on a 20 MB tmpfs that another
+    program fills after the first checkpoint: the next checkpoint does not fit."""
+    with tmpfs(tmp_path / "runs", "20m") as runs:
+        argv = ["train", str(toy_config(tmp_path)), "--local", *TOY, f"run.storage_path={runs}"]
+        assert_one_line_then_resumed(*run_out_of_room(argv, runs, capfd))
+
+
+@pytest.mark.integration
+def test_a_sharded_ray_run_whose_disk_fills_says_one_line_and_resumes_once_there_is_room(ray_session, tmp_path, capfd):
+    """The toy job under FSDP2 on 2 Ray workers, its run folder on a 20 MB tmpfs that another
+    program fills after the first checkpoint: the next checkpoint's DCP shards (or another record
+    of the run) do not fit."""
+    with tmpfs(tmp_path / "runs", "20m") as runs:
+        argv = ["train", str(toy_config(tmp_path)), *TOY, "--fsdp", "full_shard", f"run.storage_path={runs}"]
+        assert_one_line_then_resumed(*run_out_of_room(argv, runs, capfd))

@@ -19,12 +19,17 @@ from tests.stores import BUCKET
 
 pytestmark = pytest.mark.integration
 
+#: CDEIT small made shallow and narrow: the ingest paths and the EMA are the point, not the model
+CDEIT_SHALLOW = ["job.hidden_size=32", "job.num_heads=4", "job.scales=2", "job.stage_depth=1", "job.window_depth=1"]
+
+#: MSHNet cut down (32x32 images, narrower and shallower stages): the run's machinery is the point
 TINY = [
-    "job.base_size=64",
-    "job.crop_size=64",
-    "job.warm_epoch=0",  # epoch 0 warms up (the level-0 head), the fused output trains from epoch 1
+    "job.base_size=32",
+    "job.crop_size=32",
+    "job.blocks=1",
+    "job.widths=[4,8,8,16,16]",
     "job.synth_n=40",
-    "job.synth_size=64",
+    "job.synth_size=32",
     "scaling.num_workers=2",
     "data.global_batch_size=8",
     "loop.log_every=1",
@@ -97,6 +102,8 @@ def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(r
             "job.synth_n_train=32",
             "job.synth_n_valid=8",
             "job.synth_n_test=8",
+            "job.sampling_steps=1",  # test mode's sampler: one step (its compiles: tests/test_xla.py)
+            *CDEIT_SHALLOW,
             "loop.epochs=2",
             "loop.log_every=1",
             "data.global_batch_size=8",
@@ -123,7 +130,6 @@ def test_a_wait_for_resources_other_work_holds_gives_up_after_its_limit(ray_sess
     """Every CPU of the session's Ray held by another placement group: the run's wait for its
     workers ends after ``scaling.node_start_timeout_s`` in one line, instead of Ray Train's wait,
     which has no end."""
-    import time
 
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -133,9 +139,7 @@ def test_a_wait_for_resources_other_work_holds_gives_up_after_its_limit(ray_sess
     other = placement_group([{"CPU": cpus}])
     ray_session.get(other.ready(), timeout=60)
     try:
-        started = time.monotonic()
         with pytest.raises(NodesNotStarted, match="other work on the cluster holds what they need"):
             wait_for_nodes([{"CPU": 1.0}], "1 cpu worker(s)", 1.5, read_offer(this_machine=True), held_by_others=True)
-        assert time.monotonic() - started < 10
     finally:
         remove_placement_group(other)

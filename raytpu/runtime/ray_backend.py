@@ -10,7 +10,7 @@ torch_xla and keep only a host-side gloo group in torch.distributed, so this bac
 Ray's per-process device manager to the CPU one in each worker before Ray's own setup runs.
 
 It reaches into two Ray internals (``_TorchBackend`` and the cached device manager);
-``tests/test_fake_tpu_cluster.py`` runs it on a fake TPU cluster so that a Ray upgrade that
+``tests/test_multinode.py`` runs it on a fake TPU cluster so that a Ray upgrade that
 moves them fails a test rather than a TPU run.
 """
 

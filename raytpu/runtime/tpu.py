@@ -277,7 +277,7 @@ def chip_process_env(
 
     ``placements[r]`` is ``(tpu_worker_id, host_address)`` of world rank ``r``, gathered from every
     worker. Ray Train 2.60 keeps a slice's per-chip workers together by host but orders the hosts as
-    it reserved them, not by TPU worker id (``tests/test_fake_tpu_cluster.py`` sees rank 0 on worker
+    it reserved them, not by TPU worker id (``tests/test_multinode.py`` sees rank 0 on worker
     1), so the task id is what ``xmp.spawn`` would give: ``worker_id * chips_per_host + local rank``,
     the local rank being the position of the rank among its host's ranks, and the hosts are listed
     by worker id.
