@@ -102,6 +102,7 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from raytpu.cluster.connect import KEEP_LOCAL
     from raytpu.records.goodput import command_started
 
     started = command_started()
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("USE_TORCH_XLA", "0")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # jobs outside the package load by dotted path, as with `python -m`
+    one_command = KEEP_LOCAL.set(False)  # a local Ray instance the command starts ends with it
     try:
         return dispatch(build_parser().parse_args(argv), started)
     except (ConfigError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"raytpu: error: {exc}", file=sys.stderr)
             return EXIT_FAILED
         raise
+    finally:
+        KEEP_LOCAL.reset(one_command)
 
 
 def dispatch(args: argparse.Namespace, started: float) -> int:

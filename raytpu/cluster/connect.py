@@ -8,6 +8,7 @@ waits on an address that does not answer.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import json
 import logging
@@ -38,6 +39,13 @@ GCS_PORT = "RAY_GCS_SERVER_PORT"
 GCS_ADDRESS = re.compile(r"^[\w.-]+:\d+$")
 #: the addresses of the local instances this process started
 STARTED_HERE: list[str] = []
+#: whether a local Ray instance this process starts outlives the command that started it: from
+#: Python (a notebook's next call reuses it, and it stops with the process), not on the command line
+KEEP_LOCAL = contextvars.ContextVar("raytpu_keep_local_ray", default=True)
+KEPT_LINE = (
+    "raytpu: the local Ray instance stays up for the next call in this process; it stops when the process "
+    "exits (ray.shutdown() stops it now)"
+)
 
 
 def one_line(exc: BaseException) -> str:
@@ -212,7 +220,7 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
     An address where nothing answers is refused at once (Ray itself would retry for minutes)."""
     import ray
 
-    if ray.is_initialized():
+    if ray.is_initialized() and not leaves_kept_instance(address):
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
     check_reachable(address)
@@ -266,6 +274,18 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     if local:
         STARTED_HERE.append(os.environ["RAY_ADDRESS"])
+        if KEEP_LOCAL.get():
+            print(KEPT_LINE, flush=True)
+
+
+def leaves_kept_instance(address: str | None) -> bool:
+    """Whether a call names another cluster than the local instance kept from an earlier call
+    (which is then stopped, and the named cluster joined)."""
+    current = os.environ.get("RAY_ADDRESS", "")
+    if address in (None, "", "local", current) or current not in STARTED_HERE:
+        return False
+    leave(keep=(), kept_too=True)
+    return True
 
 
 def starts_local_instance(address: str | None) -> bool:
@@ -341,12 +361,15 @@ def check_token(address: str) -> None:
         return
 
 
-def leave(keep: Collection[str] = ()) -> None:
+def leave(keep: Collection[str] = (), kept_too: bool = False) -> None:
     """Stop the local Ray instance this process started (while the command still times its
     shutdown: at the interpreter's exit it would take seconds no record sees), unless it is one
-    of ``keep`` (started before the command, by its caller); a cluster it joined keeps running."""
+    of ``keep`` (started before the command, by its caller) or kept for the next call
+    (:data:`KEEP_LOCAL`, unless ``kept_too``); a cluster it joined keeps running."""
     ray = sys.modules.get("ray")  # a --local run never imported it
     address = os.environ.get("RAY_ADDRESS", "")
+    if KEEP_LOCAL.get() and not kept_too:
+        return
     if ray is not None and ray.is_initialized() and address in STARTED_HERE and address not in keep:
         ray.shutdown()
         STARTED_HERE.remove(address)
