@@ -28,8 +28,17 @@ def message_of(exc: BaseException) -> str:
     return " ".join(text.split()) or type(exc).__name__
 
 
-#: how a local worker marks the one line of an error its user fixes (its console shows no traceback)
+#: how a worker marks the one line its error is said in (the driver says it, once; no traceback)
 FIXABLE_MARK = "raytpu-fixable: "
+#: how a local worker marks a line of its output for its log only (a traceback: the console says one line)
+LOG_ONLY_MARK = "raytpu-log: "
+
+
+def error_line(error: BaseException) -> str:
+    """An error as one readable line: its type and the first line of its message that says
+    something (a library's message may open with a blank line, or end with a hint)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def fixable_line(error: BaseException) -> str | None:

@@ -35,8 +35,6 @@ COMMON = ["scaling.num_workers=2", "data.global_batch_size=8", "loop.epochs=3", 
           "job.item_sleep=0.01", "job.checkpoint_sleep=0.4"]  # fmt: skip
 #: what rank 0 of the uninterrupted run must show in each category: 24 steps, 3 checkpoints
 INJECTED = {"productive": 24 * 0.3, "input": 24 * 4 * 0.01, "checkpointing": 3 * 0.4}
-#: the sleeps behind each: each may overshoot by a few milliseconds on a busy VM (its timer's slack)
-SLEEPS = {"productive": 24, "input": 24 * 4, "checkpointing": 3}
 #: every evaluation reports the same mse, whatever the weights
 TIE = ["job.constant_metric=0.5"]
 #: the same run without its delays: what it computes, not how long it takes
@@ -120,15 +118,17 @@ def goodput(run_dir: Path) -> dict:
     return json.loads((run_dir / records.RECORD).read_text())
 
 
-@pytest.mark.quiet  # the loop's own time, in the productive steps, grows on a busy machine
 def test_the_goodput_breakdown_has_each_delay_in_its_category_and_adds_up_to_the_wall_time(straight, capfd):
+    """Each injected delay is in its category (the exact accounting, on a clock that moves only with
+    the delays: tests/test_goodput.py), and the categories add up to the command's wall time, which
+    lies within the test's."""
     tmp_path, code, wall, _ = straight
     assert code == 0
     record = goodput(tmp_path / "results" / "straight")
     categories = record["categories"]
     for name, seconds in INJECTED.items():
-        assert seconds <= categories[name] <= 1.1 * seconds + 0.003 * SLEEPS[name], (name, categories)
-    assert record["wall_s"] == pytest.approx(wall, rel=0.02)
+        assert categories[name] >= seconds, (name, categories)
+    assert sum(INJECTED.values()) < record["wall_s"] <= wall
     assert sum(categories.values()) == pytest.approx(record["wall_s"], rel=1e-9)
     assert categories["startup"] > 5 and categories["lost"] == 0, categories  # Ray and two workers
     assert record["goodput"] == pytest.approx(categories["productive"] / record["wall_s"])
@@ -159,9 +159,14 @@ def test_a_raising_worker_ends_the_run_and_the_rerun_resumes(straight, capfd):
     assert train(tmp_path, "raised", "job.fail_at_step=13") == 1
     out, err = capfd.readouterr()
     lines = err.strip().splitlines()
-    assert (out + err).count("Traceback (most recent call last)") == 1, err[-3000:]  # the failing rank's, once:
+    assert "Traceback (most recent call last)" not in out + err, err[-3000:]  # one line, the traceback in the log
     assert "Error in training function" not in out + err, err[-3000:]
-    assert lines[-1].startswith("raytpu: error: rank ") and "fault injected by job.fail_at_step=13" in lines[-1]
+    log = tmp_path / "results" / "raised" / "logs" / f"rank_{lines[-1].split()[3].rstrip(':')}.log"
+    assert (
+        lines[-1] == f"raytpu: error: rank {log.stem[5:]}: RuntimeError: fault injected by job.fail_at_step=13 "
+        f"(traceback: {log})"
+    ), lines[-3:]
+    assert "Traceback (most recent call last)" in log.read_text() and "train_step" in log.read_text()
     assert json.loads((tmp_path / "results" / "raised" / "summary.json").read_text())["status"] == "failed"
     assert train(tmp_path, "raised") == 0
     assert "resumed from" in capfd.readouterr().out
@@ -218,12 +223,10 @@ def test_a_signal_to_the_driver_checkpoints_stops_and_the_same_command_resumes(s
         os.kill(os.getpid(), signal.SIGINT)
 
     thread = when_checkpointed(run_dir, 8, interrupt)
-    started = time.monotonic()
     code = train(tmp_path, "signalled", "loop.log_every=1")
     thread.join()
     out, err = capfd.readouterr()
     assert code == 128 + signal.SIGINT, err[-3000:]
-    assert time.monotonic() - started < 120
     assert "SIGINT received" in err and "run the same command again to resume" in err.strip().splitlines()[-1]
     assert handlers[0] == handlers[1] and isinstance(getattr(handlers[0], "__self__", None), StopOnSignal)
     assert signal.getsignal(signal.SIGINT) == before
@@ -233,6 +236,6 @@ def test_a_signal_to_the_driver_checkpoints_stops_and_the_same_command_resumes(s
     assert meta["reason"] == ("scheduled" if meta["step"] in (8, 16) else "stop"), meta
     if meta["reason"] == "stop":
         assert str(latest) not in out.split("best checkpoint:")[1].splitlines()[0]
-    assert train(tmp_path, "signalled", "loop.log_every=1") == 0
+    assert train(tmp_path, "signalled", "loop.log_every=1", *NO_DELAYS) == 0  # what it computes, not its time
     assert f"resumed from {latest}" in capfd.readouterr().out
     assert_same_weights(tmp_path, "signalled")

@@ -25,7 +25,7 @@ from typing import Any
 
 from raytpu.config.plan import Plan
 from raytpu.driver.signals import StopOnSignal
-from raytpu.errors import FIXABLE_MARK, RunFailed
+from raytpu.errors import FIXABLE_MARK, LOG_ONLY_MARK, RunFailed
 from raytpu.records.batches import EXIT_BATCH_REDUCED, group_restarts
 
 #: lines of a rank's output the driver keeps in memory: its error, even where the log cannot be written
@@ -46,10 +46,11 @@ class RankOutput:
 
     def copy(self, stream: Any) -> None:
         for line in stream:
-            fixable = line.startswith(FIXABLE_MARK)  # said once, by the driver's error line
-            line = line.removeprefix(FIXABLE_MARK)
+            # said once, by the driver's error line; a traceback: in the log only
+            quiet = line.startswith((FIXABLE_MARK, LOG_ONLY_MARK))
+            line = line.removeprefix(FIXABLE_MARK).removeprefix(LOG_ONLY_MARK)
             self.tail.append(line)
-            if self.console and not fixable:
+            if self.console and not quiet:
                 sys.stderr.write(line)
             self._write(line)
         self.close()
@@ -101,7 +102,7 @@ def run_processes(plan: Plan, stop: StopOnSignal) -> None:
     if failed is not None:
         text = outputs[failed].text()
         last = (text.strip().splitlines() or ["exited without a message"])[-1]
-        raise RunFailed(f"rank {failed}: {last}", text if failed else "")
+        raise RunFailed(f"rank {failed}: {last}")  # the worker's line (its traceback: in the rank's log)
 
 
 def start_workers(

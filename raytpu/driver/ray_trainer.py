@@ -15,7 +15,7 @@ from typing import Any
 
 from raytpu.config import Config
 from raytpu.config.plan import Plan, batch_plans, worker_range
-from raytpu.errors import RunFailed, fixable_line
+from raytpu.errors import RunFailed, error_line, fixable_line
 from raytpu.records.batches import ray_max_failures
 from raytpu.records.checkpoints import full_disk_in
 from raytpu.runtime.kinds import kind_of
@@ -266,9 +266,7 @@ def root_cause(exc: BaseException, run_dir: str = "") -> tuple[str, str]:
         fixable = fixable_line(cause)
         if fixable is not None:  # said in one line: no traceback helps with a full disk
             return f"rank {rank}: {fixable}", ""
-        text = str(error).strip()
-        lines = str(cause).strip().splitlines()
-        return f"rank {rank}: {lines[-1] if lines else type(cause).__name__}", text
+        return f"rank {rank}: {error_line(cause)}", str(error).strip()
     controller = getattr(exc, "controller_failure", None)
     full = full_disk_in(controller or exc, run_dir) if run_dir else None
     if full is not None:  # Ray Train's controller writing the run's state into its folder

@@ -11,6 +11,7 @@ launch``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ from typing import Any
 
 from raytpu.config import Config
 from raytpu.config.plan import Plan, elastic_sizes, worker_range
-from raytpu.errors import FIXABLE_MARK, WorkerFailed, fixable_line
+from raytpu.errors import FIXABLE_MARK, LOG_ONLY_MARK, WorkerFailed, error_line, fixable_line
 from raytpu.job import load_job
 from raytpu.records import devices
 from raytpu.records.batches import EXIT_BATCH_REDUCED
@@ -105,6 +106,17 @@ def fixable_of(error: BaseException, run_dir: str) -> str | None:
     return fixable_line(full_disk_in(error, run_dir) or error)
 
 
+def rank_log(run_dir: str, rank: int) -> str:
+    """The rank's log file in the run folder (as its user names it: a path, or a bucket's URI)."""
+    return RunFolder(run_dir).uri("logs", f"rank_{rank}.log")
+
+
+def failure_line(error: BaseException, run_dir: str, rank: int) -> str:
+    """What the driver says of a worker's error: the line its user fixes; else the error's type and
+    first line, and the log file that holds its traceback."""
+    return fixable_of(error, run_dir) or f"{error_line(error)} (traceback: {rank_log(run_dir, rank)})"
+
+
 # ------------------------------------------------------------------ Ray Train
 def ray_entry(plan_values: dict[str, Any]) -> None:
     """``train_loop_per_worker`` of every ``TorchTrainer`` raytpu builds: one call per Ray worker."""
@@ -120,11 +132,15 @@ def ray_entry(plan_values: dict[str, Any]) -> None:
     reporter = RayReporter(plan.run_dir, seat.rank, seat.world, plan.facts.stop)
     try:
         work(plan, seat, reporter, {name: ray.train.get_dataset_shard(name) for name in plan.datasets})
-    except Exception as exc:  # the driver prints the traceback once, then its one line
+    except Exception as exc:  # the driver says one line; the traceback goes to the rank's log
         fixable = fixable_of(exc, plan.run_dir)
-        if fixable is not None:  # the line alone: no traceback helps with a full disk
-            raise WorkerFailed(f"{FIXABLE_MARK}{fixable}") from None
-        raise WorkerFailed(traceback.format_exc().rstrip()) from None
+        if plan.mode == "launch" and not fixable:  # the rank's log is the script's: the driver says its error
+            raise WorkerFailed(traceback.format_exc().rstrip()) from None
+        line = failure_line(exc, plan.run_dir, seat.rank)
+        if not fixable:
+            with contextlib.suppress(OSError):  # a log that cannot be written: the line still names it
+                RunFolder(plan.run_dir).write_text(f"logs/rank_{seat.rank}.log", traceback.format_exc())
+        raise WorkerFailed(f"{FIXABLE_MARK}{line}") from None
 
 
 def quiet_reports() -> None:
@@ -166,10 +182,10 @@ def local_entry(plan_path: str) -> None:
         sys.stdout.flush()
         os._exit(EXIT_BATCH_REDUCED)
     except Exception as exc:
-        fixable = fixable_of(exc, plan.run_dir)
-        if fixable is None:
-            raise
-        print(f"{FIXABLE_MARK}{fixable}", file=sys.stderr, flush=True)  # the driver says it, once
+        if not fixable_of(exc, plan.run_dir):  # the traceback to the rank's log only (the driver copies it there)
+            for text in traceback.format_exc().rstrip().splitlines():
+                print(f"{LOG_ONLY_MARK}{text}", file=sys.stderr)
+        print(f"{FIXABLE_MARK}{failure_line(exc, plan.run_dir, rank)}", file=sys.stderr, flush=True)  # said once
         sys.stdout.flush()
         os._exit(1)
     finally:
