@@ -16,6 +16,8 @@ torch_xla and never call ``.item()`` inside :meth:`Job.train_step`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import importlib.util
 import traceback
@@ -66,6 +68,28 @@ class StepContext:
     split: str = "train"  # train, valid or test
 
 
+#: set while a model is built whose weights another rank sends (:func:`weights_arrive_later`)
+EMPTY_BUILD = contextvars.ContextVar("raytpu_empty_build", default=False)
+
+
+def weights_arrive_later() -> bool:
+    """Whether the model being built gets its weights from elsewhere (a sharded run's rank 0 sends
+    them): its parameters are made on the meta device, and a job that would read pretrained weights
+    builds the same architecture from its config instead."""
+    return EMPTY_BUILD.get()
+
+
+@contextlib.contextmanager
+def empty_build() -> Iterator[None]:
+    """Build a model whose weights arrive later (:func:`weights_arrive_later`), on the meta device."""
+    token = EMPTY_BUILD.set(True)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        EMPTY_BUILD.reset(token)
+
+
 class Job:
     """Base class of every job: the core. Override the four step methods and the two builders."""
 
@@ -79,6 +103,13 @@ class Job:
     #: modules the job imports only when it uses them (Transformers, imported lazily so that the
     #: runtime decides about torch_xla first): checked when the job is loaded
     requires: ClassVar[tuple[str, ...]] = ()
+
+    def replaced_in_file(self, in_file: dict[str, Any], typed: dict[str, Any]) -> set[str]:
+        """The keys of the file's ``job:`` section that the command line's ``typed`` values (job
+        keys, without ``job.``) replace whole, so that the file's value is dropped before the
+        command line's apply (a model named on the command line replaces the file's model and its
+        fields). The default: none."""
+        return set()
 
     def check_config(self, cfg: Config) -> None:
         """Reject job settings that cannot work (raise ``ValueError`` with the fix), on the

@@ -214,6 +214,10 @@ class Runtime:
         return None if peak is None else peak * self.local_devices
 
     # --------------------------------------------------------------- model
+    def build(self, make: Callable[[], nn.Module]) -> nn.Module:
+        """The job's model as ``make`` builds it (its weights: initial, pretrained or loaded after)."""
+        return make()
+
     def prepare_model(
         self, model: nn.Module, find_unused_parameters: bool = False, sync_batchnorm: str = "auto"
     ) -> nn.Module:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from raytpu.console import muted_stdout
 from raytpu.errors import ConfigError
+from raytpu.job import empty_build
 from raytpu.parallel.mesh import MeshShape, resolve_mesh
 from raytpu.parallel.tensor import parallelize
 from raytpu.runtime.base import Runtime
@@ -122,6 +123,17 @@ class FSDPRuntime(DDPRuntime):
         self.tensor_parallel_layers = 0
         self.float8_model: nn.Module | None = None  # fp8 whose weights are gathered in float8: scales to refresh
 
+    def build(self, make: Callable[[], nn.Module]) -> nn.Module:
+        """Rank 0 builds the model; the others build it on the meta device (a job that reads
+        pretrained weights builds the same architecture from its config: ``raytpu.job.empty_build``),
+        since every rank starts from rank 0's weights and buffers, sent unit by unit as each is
+        sharded (:meth:`prepare_model`): the workers of a node never hold as many whole copies (of a
+        pretrained model's weights too), as Accelerate's ``cpu_ram_efficient_loading`` does."""
+        if self.rank == 0 or self.world_size == 1:
+            return make()
+        with empty_build():
+            return make()
+
     def prepare_model(
         self, model: nn.Module, find_unused_parameters: bool = False, sync_batchnorm: str = "auto"
     ) -> nn.Module:
@@ -132,7 +144,7 @@ class FSDPRuntime(DDPRuntime):
         self.use_float8(model, gather_in_float8=gather)
         self.float8_model = model if gather and self.float8_layers else None
         if self.shape.tensor > 1:  # split each layer over its tensor group first, as torchtitan does, then shard
-            model.to(self.device)
+            place(model, self.device)
             self._same_start([*model.parameters(), *model.buffers()])
             self.tensor_parallel_layers = parallelize(model, mesh["tensor"])
             mesh = mesh["fsdp"]
@@ -147,11 +159,11 @@ class FSDPRuntime(DDPRuntime):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         options = {"mesh": mesh, "mp_policy": policy} if self.precision in ("bf16", "fp8") else {"mesh": mesh}
         for unit in units:  # one unit whole on the device at a time, never the whole model
-            unit.to(self.device)
+            place(unit, self.device)
             if not self.tensor_parallel_layers:  # else rank 0's weights are everywhere already
                 self._same_start([*unit.parameters(), *unit.buffers()])
             fully_shard(unit, **options)
-        model.to(self.device)  # what no unit holds: the sharded units' DTensors stay as they are
+        place(model, self.device)  # what no unit holds: the sharded units' DTensors stay as they are
         self._same_start(
             [tensor for tensor in [*model.parameters(), *model.buffers()] if not isinstance(tensor, DTensor)]
         )
@@ -195,10 +207,21 @@ class FSDPRuntime(DDPRuntime):
     def _same_start(self, tensors: list[torch.Tensor]) -> None:
         """Rank 0's initial weights and buffers (``tensors``, on the device) on every rank, as DDP gives
         them: each rank seeds its own random streams, and each keeps its own slice of what it holds
-        once the module is sharded."""
-        if self.world_size > 1:
-            for tensor in tensors:
-                dist.broadcast(tensor.data, src=0)
+        once the module is sharded. Ranks whose models differ are an error, never a wait."""
+        if self.world_size == 1:
+            return
+        shape = torch.tensor([len(tensors), sum(t.numel() for t in tensors)], device=self.collective_device)
+        lowest, highest = shape.clone(), shape.clone()
+        dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+        if not torch.equal(lowest, highest):
+            raise RuntimeError(
+                f"rank {self.rank} built a model of {int(shape[0])} tensors ({int(shape[1])} values) and another "
+                f"rank one of {int(lowest[0])}-{int(highest[0])}: the job's build_model must build the same model on "
+                "every rank"
+            )
+        for tensor in tensors:
+            dist.broadcast(tensor.data, src=0)
 
     def track_unused_parameters(self, model: nn.Module, unused: bool) -> nn.Module:
         """FSDP2 reduces every parameter's gradient, used or not: nothing to look for."""
@@ -240,6 +263,23 @@ class FSDPRuntime(DDPRuntime):
             if batch is not None:
                 last = batch
             yield last, batch is not None
+
+
+def place(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)``, where a parameter or buffer built on the meta device
+    (:meth:`FSDPRuntime.build`) is made there empty first, for rank 0's values to fill; a tied
+    parameter stays one."""
+    made: dict[int, torch.Tensor] = {}
+    for owner in module.modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            if param.is_meta:
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+                setattr(owner, name, made[id(param)])
+        for name, buffer in list(owner.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                owner._buffers[name] = torch.empty_like(buffer, device=device)
+    module.to(device)
 
 
 def worker_mesh(sharding: Any, world_size: int) -> MeshShape:

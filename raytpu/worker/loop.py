@@ -124,7 +124,7 @@ class Trainer:
         self.cadence = Cadence(
             self.total_steps, cfg.checkpoint.every_steps, cfg.loop.eval_every_epochs, cfg.loop.eval_every_steps
         )
-        model = self.job.build_model(cfg)
+        model = rt.build(lambda: self.job.build_model(cfg))
         self.throughput = Throughput(self.job, cfg, model, rt)
         if self.throughput.note:
             self._message(self.throughput.note)

@@ -1,0 +1,112 @@
+"""Host memory of loading a pretrained model under FSDP2, per worker, at 1, 2 and 4 workers.
+
+A pretrained Llama (``--hidden``/``--layers``: 1,024 x 12 by default, 0.3 G parameters, 1.2 GB of
+fp32 weights) is written once as a ``save_pretrained`` folder; then, for each worker count, that
+many processes (``torchrun``, gloo) each build the causal LM job's model from it
+(``job.model_name_or_path``) and shard it as a run does (``Runtime.build`` then ``prepare_model``,
+``--fsdp full_shard``), and report their peak resident memory (``VmHWM``) once sharded. Side by
+side, the same with every rank loading the whole model (``--every-rank-loads``: what ranks did
+before they built on the meta device). Each figure is the peak less the process's resident memory
+before the build (its imports), so that it is what loading took.
+
+    python bench/pretrained_memory.py [--hidden 1024] [--layers 12]
+
+The last line: ``max_over_one_at_4=<the largest worker's figure at 4 workers / the one worker's>
+mean_over_one_at_4=<their mean / the one worker's>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def resident_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def worker(folder: str, every_rank_loads: bool) -> None:
+    """One rank: build and shard the pretrained model as a run does; print its memory as JSON."""
+    import torch.distributed as dist
+
+    from raytpu.config import load_config
+    from raytpu.config.plan import resolve_config
+    from raytpu.runtime import make_runtime
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    cfg, job = load_config(
+        ROOT / "jobs" / "causal_lm" / "small.yaml",
+        [f"job.model_name_or_path={folder}", "--fsdp", "full_shard", f"scaling.num_workers={world}", "job.seq_len=64"],
+    )
+    cfg = resolve_config(cfg, "cpu", "fp32")
+    runtime = make_runtime("cpu", "fp32", world, rank, rank, sharding=cfg.sharding)
+    before = resident_mb("VmRSS")
+    model = job.build_model(cfg) if every_rank_loads else runtime.build(lambda: job.build_model(cfg))
+    runtime.prepare_model(model)
+    dist.barrier()
+    print(json.dumps({"rank": rank, "peak_mb": resident_mb("VmHWM") - before}), flush=True)
+    dist.destroy_process_group()
+
+
+def write_model(folder: Path, hidden: int, layers: int) -> int:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
+                         max_position_embeddings=128, tie_word_embeddings=True)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def measure(folder: Path, workers: int, every_rank_loads: bool) -> list[float]:
+    command = [str(BIN / "torchrun"), "--nproc_per_node", str(workers), __file__, "--worker", str(folder)]
+    command += ["--every-rank-loads"] if every_rank_loads else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "USE_TORCH_XLA": "0", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise SystemExit(done.stderr[-3000:])
+    lines = sorted(
+        (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"]
+    )
+    return [line["peak_mb"] for line in lines]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--worker", default="")
+    parser.add_argument("--every-rank-loads", action="store_true")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.every_rank_loads)
+        return
+    folder = Path(tempfile.mkdtemp(prefix="bench-pretrained-")) / "model"
+    parameters = write_model(folder, args.hidden, args.layers)
+    print(f"a pretrained Llama of {parameters / 1e6:.0f} M parameters ({parameters * 4 / 2**20:.0f} MB in fp32)")
+    found = {}
+    for every in (False, True):
+        for workers in (1, 2, 4):
+            found[(every, workers)] = measure(folder, workers, every)
+            how = "every rank loads" if every else "rank 0 loads"
+            print(f"{how:>16}, {workers} worker(s): peak MB per worker {[round(v) for v in found[(every, workers)]]}")
+    one = found[(False, 1)][0]
+    at_four = found[(False, 4)]
+    print(f"max_over_one_at_4={max(at_four) / one:.3f} mean_over_one_at_4={sum(at_four) / len(at_four) / one:.3f}")
+
+
+if __name__ == "__main__":
+    main()
