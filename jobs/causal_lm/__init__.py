@@ -12,11 +12,7 @@ which the runtime allows or not (``USE_TORCH_XLA``) before the model is built.
 
 from __future__ import annotations
 
-import contextlib
-import difflib
-import inspect
 import math
-import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +23,21 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from raytpu.config import Config
-from raytpu.config.args import Flag, parse_value
+from raytpu.config.args import Flag
 from raytpu.corpus.packing import TokenizerEncoder
-from raytpu.job import Batch, Job, JobConfig, StepContext
-from raytpu.jobs.causal_lm import corpus
+from raytpu.job import Batch, Job, JobConfig, StepContext, weights_arrive_later
+from raytpu.jobs.causal_lm import corpus, hub
+from raytpu.jobs.causal_lm.attention import ATTENTION, attention_for, attention_names
+from raytpu.jobs.causal_lm.configs import (
+    DTYPES,
+    architecture,
+    check_architecture,
+    config_overrides,
+    context_length,
+    expert_parameters,
+    mlp_width,
+    routed_share,
+)
 from raytpu.jobs.causal_lm.fused_loss import PLAIN_HEADS, chunk_length, fuse_loss
 from raytpu.worker.flops import matmul_parameters, transformer_flops_per_token
 
@@ -40,8 +47,13 @@ class CausalLMConfig(JobConfig):
     name: str = "causal_lm"
     model_type: str = "llama"  # any causal-LM model_type of Transformers (llama, gpt2, qwen2, mistral, ...)
     model_config: dict[str, Any] = field(default_factory=dict)  # its config's fields, in Transformers' names
-    model_name_or_path: str = ""  # a save_pretrained folder (config and weights) instead: fine-tuning
-    attn_implementation: str = "causal"  # causal (SDPA, no mask: see causal_attention) | sdpa | eager
+    model_name_or_path: str = ""  # a Hub name (org/name) or a save_pretrained folder instead: fine-tuning
+    config_name: str = ""  # a Hub name or folder of a config to build the model from (run_clm.py's from scratch)
+    revision: str = "main"  # the Hub revision (branch, tag or commit) of the model, its config and tokenizer
+    dtype: str = "float32"  # the pretrained weights' dtype in memory: float32 | bfloat16 | float16 | auto
+    trust_remote_code: bool = False  # run a Hub repository's own modeling code (only when set)
+    cache_dir: str = ""  # "" = the Hugging Face cache (HF_HOME / HF_HUB_CACHE)
+    attn_implementation: str = "causal"  # causal (SDPA, no mask: attention.py) | sdpa | eager | flex_attention ...
     gradient_checkpointing: bool = False
     fused_loss: bool = True  # the loss without the full logits where exact (fused_loss.py); --use_liger_kernel
     seq_len: int = 128  # tokens per packed block
@@ -54,132 +66,11 @@ class CausalLMConfig(JobConfig):
     sample_tokens: int = 48  # tokens generated per evaluation (0 = none)
 
 
-def architecture(job: CausalLMConfig) -> Any:  # -> transformers.PretrainedConfig
-    """The model's Transformers config: from ``model_name_or_path``, or ``model_type`` and ``model_config``."""
-    from transformers import AutoConfig
-
-    if job.model_name_or_path:
-        return AutoConfig.from_pretrained(job.model_name_or_path)
-    fields = {"vocab_size": job.vocab_size, **typed_model_config(job)}
-    return AutoConfig.for_model(job.model_type, **{**special_ids_outside(job.model_type, fields), **fields})
-
-
-#: the token ids a Transformers config names, which its defaults give for the vocabulary it was made for
-SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def special_ids_outside(model_type: str, fields: dict[str, Any]) -> dict[str, None]:
-    """The special token ids of ``model_type``'s defaults that a model built with ``fields``
-    (their vocabulary) cannot embed, as None: GPT-2's 50256 or Phi-3's pad id 32000 in a
-    vocabulary of 4,096 (an embedding's padding index out of range fails the build)."""
-    from transformers import CONFIG_MAPPING
-
-    defaults = CONFIG_MAPPING[model_type]()
-    vocabulary = fields.get("vocab_size", defaults.vocab_size)
-    outside = {}
-    for name in SPECIAL_IDS:
-        value = getattr(defaults, name, None)
-        if name not in fields and isinstance(value, int) and value >= vocabulary:
-            outside[name] = None
-    return outside
-
-
-def check_architecture(job: CausalLMConfig) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if job.model_name_or_path:
-        if not (Path(job.model_name_or_path) / "config.json").is_file():
-            raise ValueError(
-                f"job.model_name_or_path={job.model_name_or_path!r} is not a save_pretrained folder (no config.json); "
-                "raytpu never downloads models: pass a local folder"
-            )
-        return
-    if job.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        close = difflib.get_close_matches(job.model_type, list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(f"job.model_type={job.model_type!r} is not a Transformers causal-LM architecture{hint}")
-    typed_model_config(job)
-
-
-def typed_model_config(job: CausalLMConfig) -> dict[str, Any]:
-    """``job.model_config`` checked against the fields of ``job.model_type``'s config class, each
-    value typed as that class annotates it (an int where it takes a float becomes a float); an
-    unknown field fails with the closest fields of that class."""
-    from transformers import CONFIG_MAPPING
-
-    config_class = CONFIG_MAPPING[job.model_type]
-    annotations = field_annotations(config_class)
-    fields = set(annotations) | set(inspect.signature(config_class.__init__).parameters) | set(vars(config_class()))
-    typed = {}
-    for key, value in job.model_config.items():
-        if key not in fields:
-            close = difflib.get_close_matches(key, [k for k in fields if not k.startswith("_")], n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"job.model_config.{key} is not a field of Transformers' {job.model_type} config{hint}")
-        typed[key] = typed_value(f"job.model_config.{key}", value, annotations.get(key), config_class.__name__)
-    return typed
-
-
-#: the annotations :func:`typed_value` checks a value against
-PLAIN_TYPES = {bool, int, float, str, type(None)}
-
-
-def field_annotations(config_class: type) -> dict[str, Any]:
-    """The annotated fields of a Transformers config class and its bases (Transformers 5 declares them)."""
-    annotations: dict[str, Any] = {}
-    for cls in reversed(config_class.__mro__):
-        annotations.update(vars(cls).get("__annotations__", {}))
-    return annotations
-
-
-def typed_value(key: str, value: Any, annotation: Any, owner: str) -> Any:
-    """``value`` as ``annotation`` types it, where that is plain (bool, int, float, str, None);
-    other annotations (mappings, lists, literals) take the value as YAML read it."""
-    kinds = set(typing.get_args(annotation)) or {annotation}
-    if not kinds <= PLAIN_TYPES:
-        return value
-    if isinstance(value, str) and str not in kinds and float in kinds:
-        with contextlib.suppress(ValueError):
-            return float(value)  # YAML 1.1 reads 1e-5 as a string
-    if value is None:
-        fits = type(None) in kinds
-    elif isinstance(value, bool):
-        fits = bool in kinds
-    elif isinstance(value, int) and int not in kinds and float in kinds:
-        return float(value)
-    else:
-        fits = type(value) in kinds
-    if fits:
-        return value
-    wanted = " or ".join(sorted(kind.__name__ for kind in kinds))
-    raise ValueError(f"{key} must be {wanted} (as Transformers' {owner} types it), got {value!r}")
-
-
-def config_overrides(value: Any) -> list[tuple[str, Any]]:
-    """``run_clm.py``'s ``--config_overrides "n_embd=64,resid_pdrop=0.2"``: fields of the model's
-    Transformers config, as ``job.model_config.<field>`` overrides (values read as YAML)."""
-    pairs = []
-    for item in str(value).split(","):
-        name, sep, text = item.strip().partition("=")
-        if not sep or not name.strip() or not text.strip():
-            raise ValueError(f"--config_overrides {value}: write FIELD=VALUE pairs separated by commas, e.g. n_embd=64")
-        pairs.append((f"job.model_config.{name.strip()}", parse_value(text.strip())))
-    return pairs
-
-
 #: bytes an eager decoder layer saves for its backward per token, per hidden and per intermediate
 #: unit, by the compute dtype's width: fp32 keeps 9 hidden-wide and 4 intermediate-wide values; bf16
 #: keeps 8 and 4 in bf16 beside the norms' fp32 upcasts (measured on the CPU with autograd's
 #: saved-tensor hooks, Llama shapes: tests/test_causal_lm.py checks it)
 EAGER_LAYER_BYTES = {4: (36, 16), 2: (40, 10)}
-
-
-def context_length(config: Any) -> int | None:
-    """The longest sequence the architecture's positions allow (None: no limit declared)."""
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        if getattr(config, name, None):
-            return int(getattr(config, name))
-    return None
 
 
 class CausalLMJob(Job):
@@ -193,17 +84,37 @@ class CausalLMJob(Job):
         "--model_type": "job.model_type",
         "--config_overrides": Flag(convert=config_overrides, text=True, sets="job.model_config (run_clm.py: k=v,k=v)"),
         "--use_liger_kernel": Flag(key="job.fused_loss", switch=True),  # TrainingArguments': the same fused loss
-        "--tokenizer_name": "job.tokenizer",  # run_clm.py's: a save_pretrained folder
+        "--tokenizer_name": "job.tokenizer",  # run_clm.py's: a Hub name or a save_pretrained folder
+        "--config_name": "job.config_name",
+        "--model_revision": "job.revision",  # run_clm.py's name; TRL's ModelConfig: --model_revision too
+        "--revision": "job.revision",
+        "--dtype": "job.dtype",
+        "--torch_dtype": "job.dtype",  # the older name of --dtype
+        "--trust_remote_code": Flag(key="job.trust_remote_code", switch=True),
+        "--attn_implementation": "job.attn_implementation",
+        "--cache_dir": "job.cache_dir",
+        "--low_cpu_mem_usage": Flag(
+            switch=True, ignored="Transformers 5 always loads a pretrained model so (its weights straight into place)"
+        ),
     }
     requires = ("transformers", "tokenizers")
+
+    def replaced_in_file(self, in_file: dict[str, Any], typed: dict[str, Any]) -> set[str]:
+        """A model named on the command line (``--model_name_or_path``, ``--config_name``, or another
+        ``--model_type`` than the file's) is the model: the file's ``model_config`` fields were for
+        the file's model (``--config_overrides`` and ``job.model_config.*`` typed still apply)."""
+        other_type = str(typed.get("model_type", "")) not in ("", in_file.get("model_type", CausalLMConfig.model_type))
+        named = typed.get("model_name_or_path") or typed.get("config_name")
+        return {"model_config"} if other_type or named else set()
 
     # ----------------------------------------------------------------- build
     def check_config(self, cfg: Config) -> None:
         job = cfg.job
         if job.seq_len < 2:
             raise ValueError(f"job.seq_len must be at least 2 (a token and its successor), got {job.seq_len}")
-        if job.attn_implementation not in ATTENTION:
-            choices = ", ".join(ATTENTION)
+        known = attention_names()
+        if job.attn_implementation not in known:
+            choices = ", ".join(known)
             raise ValueError(f"job.attn_implementation={job.attn_implementation!r} is not one of {choices}")
         check_architecture(job)
         limit = context_length(architecture(job))
@@ -216,10 +127,13 @@ class CausalLMJob(Job):
         job = cfg.job
         config = architecture(job)
         attention = attention_for(job, config)
-        if job.model_name_or_path:
-            model = AutoModelForCausalLM.from_pretrained(
-                job.model_name_or_path, attn_implementation=attention, dtype=torch.float32
+        if job.model_name_or_path and not weights_arrive_later():
+            model = hub.load_model(
+                job.model_name_or_path, hub.options(job), attn_implementation=attention, dtype=DTYPES[job.dtype]
             )
+        elif job.model_name_or_path:  # the pretrained architecture, its weights sent by another rank
+            dtype = DTYPES[job.dtype] if job.dtype != "auto" else getattr(config, "dtype", None) or torch.float32
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
         if job.gradient_checkpointing:
@@ -257,8 +171,9 @@ class CausalLMJob(Job):
         """The tokenizer of ``job.tokenizer``, of the pretrained model, or trained on ``texts``
         into ``data_root``; refused when the model cannot embed every id it gives."""
         job = cfg.job
-        folder = corpus.tokenizer_folder(job.tokenizer, job.model_name_or_path, data_root)
-        encoder = TokenizerEncoder.of(corpus.corpus_tokenizer(folder, data_root, texts, source, job.vocab_size))
+        folder = corpus.tokenizer_source(job.tokenizer, job.model_name_or_path, data_root)
+        tokenizer = corpus.corpus_tokenizer(folder, data_root, texts, source, job.vocab_size, hub.options(job))
+        encoder = TokenizerEncoder.of(tokenizer)
         embeddings = architecture(job).vocab_size
         if encoder.vocab_size > embeddings:
             fix = (
@@ -272,10 +187,12 @@ class CausalLMJob(Job):
         return encoder
 
     def flops_per_sample(self, cfg: Config, model: nn.Module) -> float | None:
-        """PaLM's count for one block: (6 N + 12 L d T) per token, times T tokens."""
+        """PaLM's count for one block: (6 N + 12 L d T) per token, times T tokens; of a
+        mixture-of-experts layer's experts, N counts the share a token goes through."""
         config, seq_len = model.config, cfg.job.seq_len
         layers, width = config.num_hidden_layers, config.hidden_size
-        return float(transformer_flops_per_token(matmul_parameters(model), layers, width, seq_len) * seq_len)
+        active = matmul_parameters(model) - expert_parameters(model) * (1 - routed_share(config))
+        return float(transformer_flops_per_token(round(active), layers, width, seq_len) * seq_len)
 
     def tokens_per_sample(self, cfg: Config) -> int | None:
         return cfg.job.seq_len
@@ -296,7 +213,7 @@ class CausalLMJob(Job):
         1 byte, attention's in bf16 (an H200 measured 22.8 GB where this counts 23.6). Checkpointed,
         a layer keeps its input, and one layer's activations are recomputed at a time."""
         config = architecture(cfg.job)
-        hidden, inner, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+        hidden, inner, layers = config.hidden_size, mlp_width(config), config.num_hidden_layers
         tokens = batch * cfg.job.seq_len
         if compiled:
             heads = config.num_attention_heads
@@ -321,7 +238,9 @@ class CausalLMJob(Job):
 
     def synth_options(self, cfg: Config) -> dict[str, Any]:
         job = cfg.job
-        return {"vocab_size": job.vocab_size, "corpus_dir": job.corpus, "tokenizer": job.tokenizer}
+        source = corpus.tokenizer_source(job.tokenizer, job.model_name_or_path, cfg.data.path)
+        own = "" if Path(source) == Path(cfg.data.path) else source  # the pretrained model's, or one named
+        return {"vocab_size": job.vocab_size, "corpus_dir": job.corpus, "tokenizer": own}
 
     # ------------------------------------------------------------------ step
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
@@ -345,72 +264,27 @@ class CausalLMJob(Job):
         job = ctx.config.job
         if not job.sample_tokens:
             return {}
-        tokenizer = corpus.load_tokenizer(corpus.tokenizer_folder(job.tokenizer, job.model_name_or_path, data_root))
+        tokenizer = run_tokenizer(job, data_root)
         return {"sample": generate(model, tokenizer, job.prompt, job.sample_tokens)}
 
     # ---------------------------------------------------------------- export
     def export(self, model: nn.Module, cfg: Config, data_root: Path, out: Path) -> None:
         """A folder ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load."""
         job = cfg.job
-        tokenizer = corpus.load_tokenizer(corpus.tokenizer_folder(job.tokenizer, job.model_name_or_path, data_root))
+        tokenizer = run_tokenizer(job, data_root)
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         if model.config._attn_implementation == ATTENTION["causal"]:  # raytpu's name, unknown to other installs
-            model.set_attn_implementation("sdpa")  # the same kernel, with the mask Transformers builds
+            # the same attention, with the mask Transformers builds (soft-capped scores: its eager kernel)
+            model.set_attn_implementation("sdpa" if getattr(type(model), "_supports_sdpa", False) else "eager")
         model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
 
 
-#: job.attn_implementation -> Transformers' name
-ATTENTION = {"causal": "raytpu_causal", "sdpa": "sdpa", "eager": "eager"}
-
-
-def attention_implementation(name: str) -> str:
-    """Transformers' attention for ``job.attn_implementation``. ``causal`` is its SDPA kernel
-    registered under a name of its own with no mask function: the mask is never built, and SDPA
-    runs with ``is_causal`` (exact for unpadded packed blocks). Transformers' own ``sdpa`` first
-    checks ``position_ids`` for packed sequences with a data-dependent branch: a host sync in
-    every step on XLA."""
-    from transformers import AttentionInterface
-
-    if name == "causal":
-        AttentionInterface.register(ATTENTION[name], causal_attention)
-    return ATTENTION[name]
-
-
-def attention_for(job: CausalLMConfig, config: Any) -> str | None:
-    """Transformers' attention for the job's model: ``causal`` only where it computes what the
-    architecture does over a whole block (else None: the architecture's own choice, which builds
-    the mask it needs)."""
-    if job.attn_implementation == "causal" and not plain_causal(config, job.seq_len):
-        return None
-    return attention_implementation(job.attn_implementation)
-
-
-def plain_causal(config: Any, seq_len: int) -> bool:
-    """Whether every layer of the architecture attends causally to the whole block with SDPA, as
-    the ``causal`` kernel does: not where a layer's sliding window is shorter than the block
-    (Mistral, Gemma 2 and 3), scores are soft-capped (Gemma 2), or the model has no SDPA path."""
-    from transformers import AutoModelForCausalLM
-
-    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    if model_class is None or not getattr(model_class, "_supports_sdpa", False):
-        return False
-    if getattr(config, "attn_logit_softcapping", None):
-        return False
-    window = getattr(config, "sliding_window", None) or 0
-    layer_types = getattr(config, "layer_types", None)
-    sliding = "sliding_attention" in layer_types if layer_types else getattr(config, "use_sliding_window", True)
-    return not (sliding and 0 < window < seq_len)
-
-
-def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs):
-    """Transformers' SDPA attention with its operands in one dtype: under autocast the rotary
-    embedding leaves the query and key in float32 while the value projection is in the autocast
-    dtype, and autocasts that do not list SDPA (XLA's) pass the mix on, which SDPA rejects."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query.to(value.dtype), key.to(value.dtype), value, *args, **kwargs)
+def run_tokenizer(job: CausalLMConfig, data_root: Path) -> Any:
+    """The run's tokenizer: ``job.tokenizer``, the pretrained model's, or the one made with the data."""
+    source = corpus.tokenizer_source(job.tokenizer, job.model_name_or_path, data_root)
+    return corpus.run_tokenizer(source, data_root, hub.options(job))
 
 
 @torch.no_grad()

@@ -148,7 +148,8 @@ class XLARuntime(Runtime):
             warnings.warn("loop.sync_batchnorm=false: under SPMD BatchNorm normalises the global batch", stacklevel=2)
         from torch_xla.distributed.fsdp import checkpoint_module
 
-        model = model.to(self.device)
+        static_experts(model)
+        model = moved_tied(model, self.device)
         grad_ckpt, scan = self.activation_checkpointing, bool(self.options and self.options.scan_layers)
         units = wrapping_units(model, self.layers) if self.fsdp or grad_ckpt or scan else set()
         if (grad_ckpt or scan) and not units:
@@ -290,6 +291,7 @@ class XLARuntime(Runtime):
     def rng_state(self) -> dict[str, Any]:
         import torch_xla.core.xla_model as xm
 
+        self._torch_xla.sync()  # the seed as the traced ops leave it (a pending graph advances it)
         return {"torch": torch.get_rng_state(), "xla": int(xm.get_rng_state())}
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
@@ -368,3 +370,27 @@ def xla_metrics() -> dict[str, float]:
         "xla/transfers_to_device": float(to_device[0]) if to_device else 0.0,
         "xla/transfers_from_device": float(from_device[0]) if from_device else 0.0,
     }
+
+
+def static_experts(model: nn.Module) -> None:
+    """A Transformers mixture-of-experts model's experts computed in fixed shapes (every token's
+    chosen experts' weights gathered: ``batched_mm``), for one graph a step: its default kernels
+    count the tokens of each expert (``histc``, ``nonzero``), a host sync that XLA cannot trace."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) not in (None, "batched_mm"):
+        model.set_experts_implementation("batched_mm")
+
+
+def moved_tied(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model.to(device)`` with its tied parameters tied again: a move to an XLA device makes each
+    parameter a tensor of its own, and a tied output layer would then train apart from its embedding."""
+    shared: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in model.modules():
+        for name, param in owner.named_parameters(recurse=False):
+            shared.setdefault(id(param), []).append((owner, name))
+    model = model.to(device)
+    for places in shared.values():
+        first_owner, first_name = places[0]
+        for owner, name in places[1:]:
+            setattr(owner, name, getattr(first_owner, first_name))
+    return model
