@@ -267,7 +267,7 @@ def test_llama3_8b_config_has_the_llama3_8b_parameter_count():
         ("job.model_type=lama", "did you mean llama"),
         ("job.model_config.hiden_size=64", "did you mean hidden_size"),
         ("job.seq_len=512", "exceeds the model's 256 positions"),
-        ("job.model_name_or_path=/nonexistent", "never downloads"),
+        ("job.model_name_or_path=/nonexistent", "is no folder here, nor a Hugging Face Hub name"),
     ],
 )
 def test_bad_model_settings_fail_before_anything_runs(override, message):
@@ -319,10 +319,9 @@ def test_a_model_config_field_set_on_the_command_line_trains_and_exports(data, t
 
 
 # ------------------------------------------------------------------ training on Ray
-#: 80 steps of 32 blocks x 128 tokens at a constant lr (a cosine over so few steps decays before the
-#: model gets past unigram statistics, near step 50); an eval every 20 steps, a checkpoint every 10,
-#: all kept
-TRAIN = ["loop.max_steps=80", "loop.log_every=5", "--eval_steps", "20", "--save_steps", "10", "--warmup_steps", "10",
+#: 20 steps of 32 blocks x 128 tokens at a constant lr; an eval every 10 steps, a checkpoint every
+#: 10, all kept (whether the recipe learns past unigram statistics is bench/learning.py's)
+TRAIN = ["loop.max_steps=20", "loop.log_every=5", "--eval_steps", "10", "--save_steps", "10", "--warmup_steps", "10",
          "--lr_scheduler_type", "constant", "--save_total_limit", "8", "logging.progress_bar=false",
          "job.sample_tokens=8"]  # fmt: skip
 
@@ -346,19 +345,17 @@ def trained(ray_session, data, tmp_path_factory):
     where = [f"data.path={data}", "--output_dir", str(out)]
     assert cli.main(["train", str(faulty), *TRAIN, *where, "--run_name", "ray", "job.fail_at_step=13"]) == 1
     assert cli.main(["train", str(faulty), *TRAIN, *where, "--run_name", "ray"]) == 0
-    assert cli.main(["train", str(faulty), *TRAIN, "loop.max_steps=20", *where, "--run_name", "local", "--local"]) == 0
+    assert cli.main(["train", str(faulty), *TRAIN, *where, "--run_name", "local", "--local"]) == 0
     return out
 
 
-def test_two_ray_workers_learn_below_the_unigram_perplexity_and_resume_exactly(trained, data):
+def test_two_ray_workers_train_and_resume_exactly(trained, data):
     run = trained / "ray"
     losses = scalars(run, "train/loss")
-    assert losses[-1] < losses[0] - 1.5, losses  # from ~ln(4096) = 8.3
-    unigram = corpus.unigram_perplexity(corpus.read_tokens(data, "train"), corpus.read_tokens(data, "valid"), 4096)
-    perplexity = scalars(run, "valid/perplexity")
-    assert perplexity[-1] < 0.7 * unigram, (perplexity, unigram)  # 0.48 here
+    assert losses[-1] < losses[0] - 0.5, losses  # from ~ln(4096) = 8.3
+    assert len(scalars(run, "valid/perplexity")) == 2
     final = sorted(run.glob("checkpoint_0*"))[-1]
-    assert final.name == "checkpoint_00000080"
+    assert final.name == "checkpoint_00000020"
     local = sorted((trained / "local").glob("checkpoint_0*"))[-1]
     assert local.name == "checkpoint_00000020"
     straight, resumed = load_file(local / ckpt.MODEL), load_file(run / local.name / ckpt.MODEL)
@@ -371,7 +368,7 @@ def test_a_generated_sample_is_in_tensorboard_at_each_eval(trained):
 
     events = EventAccumulator(str(trained / "ray" / "tensorboard"), size_guidance={"tensors": 0}).Reload()
     samples = events.Tensors("valid/sample/text_summary")
-    assert len(samples) >= 4
+    assert len(samples) >= 2
     assert samples[-1].tensor_proto.string_val[0].decode().startswith("def ")
 
 
@@ -406,7 +403,8 @@ def tiny_llama():
 
 @pytest.mark.parametrize("attention", ["causal", "sdpa"])
 def test_the_eval_sample_is_transformers_greedy_generate(data, attention):
-    from raytpu.jobs.causal_lm import attention_implementation, generate
+    from raytpu.jobs.causal_lm import generate
+    from raytpu.jobs.causal_lm.attention import attention_implementation
 
     model, tokenizer = tiny_llama(), corpus.load_tokenizer(data)
     model.set_attn_implementation(attention_implementation(attention))

@@ -13,7 +13,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from raytpu.config import load_config
-from raytpu.config.args import ConfigError
 from raytpu.corpus.index import Sources, find_sources
 from raytpu.corpus.order import EpochOrder
 from raytpu.corpus.packing import Packing, count_unit, held_out, unit_blocks
@@ -93,14 +92,12 @@ def test_a_missing_parquet_column_names_the_columns_there_are(tmp_path: Path):
         texts_of(find_units([str(tmp_path / "t.parquet")], "x"))
 
 
-def test_missing_files_a_silent_bucket_and_hub_names_are_refused_in_one_line(tmp_path: Path, monkeypatch):
+def test_missing_files_and_a_silent_bucket_are_refused_in_one_line(tmp_path: Path, monkeypatch):
     with pytest.raises(CorpusError, match="does not exist"):
         find_units([str(tmp_path / "absent.jsonl")], "data.train_files")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # nothing listens there
     with pytest.raises(CorpusError, match="cannot be read: the store does not answer: check AWS_ENDPOINT_URL"):
         find_units(["s3://corpus-bucket/shards/"], "data.train_files")
-    with pytest.raises(ConfigError, match="downloads nothing"):
-        load_config(SMALL, ["--dataset_name", "wikitext"])
 
 
 def test_transformers_data_flags_set_the_corpus_keys(tmp_path: Path):
@@ -235,6 +232,13 @@ def test_fine_tuning_a_saved_model_uses_its_own_tokenizer_and_exports(tmp_path: 
     assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == len(tokenizer)
 
 
+def write_zst(folder: Path) -> Path:
+    """A file named as zstd-compressed JSON lines that holds plain text."""
+    path = folder / "t.jsonl.zst"
+    path.write_text("not compressed\n")
+    return path
+
+
 @pytest.mark.parametrize(
     "make, words, message",
     [
@@ -242,24 +246,27 @@ def test_fine_tuning_a_saved_model_uses_its_own_tokenizer_and_exports(tmp_path: 
          r"t.jsonl: no text column 'text' \(it has \['body', 'n'\]\); set data.text_column"),
         (lambda d: (d / "t.jsonl").write_text("plain text, not json\n"), [], "t.jsonl: not JSON lines"),
         (lambda d: write_jsonl(d / "t.jsonl", docs(3)), ["--validation_file", "{d}/t.jsonl"],
-         r"the train split of .* has 1 samples, fewer than one step of data.global_batch_size=4"),
+         r"the train split of the corpus data.train_files=\['.*t.jsonl'\] \(\d+ training tokens, in blocks of 32\) "
+         r"has 1 samples, fewer than one step of data.global_batch_size=4"),
+        (lambda d: (d / "t.jsonl").write_text('{"text": "x"}\n'), ["--validation_file", "{d}/t.jsonl"],
+         r"the corpus data.train_files=\['.*t.jsonl'\] \(\d+ training tokens, in blocks of 32\): its training "
+         r"text holds fewer tokens than one block; add text or lower job.seq_len \(--block_size\)"),
+        (write_zst, ["--train_file", "{d}/t.jsonl.zst"],
+         r"t.jsonl.zst: not a zst file, as its suffix says \(ZSTD decompress failed"),
         (lambda d: write_jsonl(d / "t.jsonl", docs(50)), ["--validation_split_percentage", "0"],
          "no validation text: name data.validation_files"),
     ],
 )  # fmt: skip
-def test_bad_corpora_are_one_error_line_within_seconds(tmp_path: Path, capsys, make, words, message):
+def test_bad_corpora_are_one_error_line(tmp_path: Path, capsys, make, words, message):
     import re
-    import time
 
     from raytpu import cli
 
     make(tmp_path)
-    started = time.monotonic()
     words = [word.format(d=tmp_path) for word in words]
     code = cli.main(lm_run(tmp_path, "--train_file", str(tmp_path / "t.jsonl"), f"data.path={tmp_path / 'p'}", *words))
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("raytpu: error:")]
     assert code == 2 and len(errors) == 1 and re.search(message, errors[0]), errors
-    assert time.monotonic() - started < 30
 
 
 def test_the_torch_path_resumed_at_another_size_trains_every_step_s_blocks(tmp_path: Path):

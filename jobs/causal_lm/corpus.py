@@ -20,10 +20,13 @@ import json
 import sysconfig
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from raytpu.jobs.causal_lm import hub
 
 EOS = "<|endoftext|>"
 SPLITS = ("train", "valid", "test")
@@ -94,14 +97,23 @@ def load_tokenizer(folder: Path):  # -> PreTrainedTokenizerFast
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def tokenizer_folder(tokenizer: str, model: str, data_root: Path) -> Path:
-    """Where a run's tokenizer is: ``job.tokenizer``, else the pretrained model's own folder when
-    it has one, else the data folder (the one trained on the corpus)."""
+def tokenizer_source(tokenizer: str, model: str, data_root: Path) -> str:
+    """Where a run's tokenizer comes from: ``job.tokenizer`` (a folder or a Hub name), else the
+    pretrained model's own (its folder when it holds one, or its Hub name), else the data folder
+    (the one trained on the corpus)."""
     if tokenizer:
-        return Path(tokenizer)
-    if model and (Path(model) / "tokenizer.json").is_file():
-        return Path(model)
-    return Path(data_root)
+        return tokenizer
+    if model and (not hub.is_local(model) or (Path(model) / "tokenizer.json").is_file()):
+        return model
+    return str(data_root)
+
+
+def run_tokenizer(source: str, data_root: Path, given: dict[str, Any]):  # -> PreTrainedTokenizerBase
+    """The tokenizer of :func:`tokenizer_source`: the data folder's, or the one the user named
+    (loaded by Transformers, from a folder or the Hub, with ``given``: :func:`hub.options`)."""
+    if Path(source) == Path(data_root):
+        return load_tokenizer(data_root)
+    return hub.load_tokenizer(source, given)
 
 
 #: characters of the training text a tokenizer is trained on when none is given
@@ -110,12 +122,19 @@ TRAINING_CHARACTERS = 64 << 20
 TRAINED_ON = "tokenizer_source.json"
 
 
-def corpus_tokenizer(folder: Path, data_root: Path, texts: Callable[[], Iterator[str]], source: str, vocab_size: int):
-    """The tokenizer of a corpus of the user's: the one in ``folder`` when it is not the data
-    folder; else the one trained there on this corpus before, or one trained now on its first
-    :data:`TRAINING_CHARACTERS` characters and saved there."""
-    if Path(folder) != Path(data_root):
-        return load_tokenizer(folder)
+def corpus_tokenizer(
+    tokenizer: str,
+    data_root: Path,
+    texts: Callable[[], Iterator[str]],
+    source: str,
+    vocab_size: int,
+    given: dict[str, Any],
+):
+    """The tokenizer of a corpus of the user's: the one ``tokenizer`` names when it is not the data
+    folder (:func:`run_tokenizer`); else the one trained there on this corpus before, or one trained
+    now on its first :data:`TRAINING_CHARACTERS` characters and saved there."""
+    if Path(tokenizer) != Path(data_root):
+        return run_tokenizer(tokenizer, data_root, given)
     record = {"source": source, "vocab_size": vocab_size}
     marker = Path(data_root) / TRAINED_ON
     if (Path(data_root) / "tokenizer.json").is_file() and marker.is_file() and json.loads(marker.read_text()) == record:
@@ -148,13 +167,13 @@ def encode_split(tokenizer, texts: Sequence[str]) -> np.ndarray:
 
 def synthesize(out: Path, vocab_size: int = 4096, corpus: str = "", tokenizer: str = "") -> None:
     """Write the corpus's token ids and its tokenizer under ``out``: trained on the train split
-    with ``vocab_size`` entries, or ``tokenizer`` (a ``save_pretrained`` folder) reused."""
+    with ``vocab_size`` entries, or ``tokenizer`` (a ``save_pretrained`` folder or a Hub name) reused."""
     out = Path(out)
     files = folder_files(Path(corpus)) if corpus else stdlib_files()
     texts = {
         split: [path.read_text(encoding="utf-8", errors="replace") for path in paths] for split, paths in files.items()
     }
-    tok = load_tokenizer(Path(tokenizer)) if tokenizer else train_tokenizer(texts["train"], vocab_size)
+    tok = hub.load_tokenizer(tokenizer, {}) if tokenizer else train_tokenizer(texts["train"], vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, object] = {"source": corpus or "stdlib", "vocab_size": len(tok), "splits": {}}
     for split in SPLITS:

@@ -171,6 +171,9 @@ def read_config(
     if not job_name:
         raise ConfigError("no job given: set `job: {name: <job>}` in the config or pass job.name=<job>")
     job = load_job(str(job_name))
+    typed = {o.key[4:]: o.value for o in found if o.typed not in from_file and o.key.startswith("job.")}
+    replaced = job.replaced_in_file(job_section, typed)
+    job_section = {key: value for key, value in job_section.items() if key not in replaced}
     raw["job"] = {**job_section, "name": str(job_name)}  # a job config class may default to no name
     with origins.naming_sources():
         cfg = with_values(build_dataclass(Config, raw, "", {"job": job.config_class}), pairs)

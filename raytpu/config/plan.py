@@ -55,6 +55,7 @@ class Facts:
     where: str = ""  # where the workers run, in words (the run's first line)
     main_metric_mode: str = "min"
     data_root: str = ""
+    data_words: str = ""  # the data in a message's words ("": data_root; a corpus: its files and tokens)
     split_sizes: tuple[tuple[str, int], ...] = ()  # samples in each split the driver checked
     text: bool = False  # text streamed by Ray Data: the training blocks come from its feeder (raytpu.corpus)
     name: str = ""  # the run's folder under run.storage_path ("": run.name; a test's: <run>/test-<time>)
@@ -191,7 +192,7 @@ def make_plan(cfg: Config, facts: Facts) -> Plan:
     batches = {} if facts.mode == "launch" else batch_plans(resolved)
     batch = batches.get(resolved.scaling.num_workers)
     if batch is not None:
-        batch.check_splits(facts.split_sizes, facts.data_root)
+        batch.check_splits(facts.split_sizes, facts.data_words or facts.data_root)
     if facts.script is not None and facts.script.mixed_precision:  # asked with --mixed_precision
         script = dataclasses.replace(facts.script, mixed_precision=ACCELERATE_NAMES[precision])
         facts = dataclasses.replace(facts, script=script)

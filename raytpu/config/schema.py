@@ -104,6 +104,12 @@ class DataSettings:
     # .jsonl/.json, .parquet, .txt/.md/.py or a datasets save_to_disk folder, local, gs:// or s3:// (--train_file)
     train_files: list[str] = field(default_factory=list)
     validation_files: list[str] = field(default_factory=list)  # [] = held out of train_files (--validation_file)
+    # a data set by name (--dataset_name): a Hugging Face Hub repository (org/name) or a folder in its
+    # layout (its files, by split, as data.train_files and data.validation_files), or a save_to_disk folder
+    dataset_name: str = ""
+    dataset_config_name: str = ""  # the data set's config (--dataset_config_name)
+    dataset_train_split: str = "train"  # the split trained on (--dataset_train_split)
+    dataset_test_split: str = ""  # the split evaluated on; "" = validation, valid, val or test (--dataset_test_split)
     text_column: str = "text"  # the field / column that holds the text (--text_column_name)
     validation_split_percentage: float = 5.0  # documents held out when no validation files are named
     max_eval_samples: int = 0  # blocks of the validation text each evaluation reads (0 = all)

@@ -191,18 +191,6 @@ def file_list(key: str) -> Callable[[Any], Pairs]:
     return convert
 
 
-def dataset_name(value: Any) -> Pairs:
-    """``run_clm.py``'s ``--dataset_name``: here a ``datasets`` ``save_to_disk`` folder (local or in a
-    bucket); a hub name is refused, since nothing is downloaded."""
-    text = str(value)
-    if "://" not in text and not Path(text).exists():
-        raise ConfigError(
-            f"--dataset_name {text}: raytpu downloads nothing and {text!r} is no folder here; save the data set "
-            "with datasets' save_to_disk (or write JSON lines / parquet) and pass that folder, or use --train_file"
-        )
-    return [("data.train_files", [text])]
-
-
 #: TrainingArguments that raytpu does not take -> what to use instead (one line when given)
 REFUSED = {
     "--tpu_num_cores": "a run uses every chip of the slices it gets (scaling.tpu.*, docs/runtimes-and-tpu.md)",
@@ -292,8 +280,11 @@ TRAINING_ARGUMENTS: dict[str, Alias] = {
     # run_clm.py's data arguments: a text corpus of the user's (jobs that read text)
     "--train_file": Flag(convert=file_list("data.train_files"), text=True, sets="data.train_files"),
     "--validation_file": Flag(convert=file_list("data.validation_files"), text=True, sets="data.validation_files"),
-    "--dataset_name": Flag(convert=dataset_name, text=True, sets="data.train_files (a local datasets folder)"),
-    "--dataset_config_name": Flag(ignored="raytpu reads a saved datasets folder as it is (--dataset_name DIR)"),
+    "--dataset_name": "data.dataset_name",
+    "--dataset_config_name": "data.dataset_config_name",
+    "--dataset_train_split": "data.dataset_train_split",  # TRL's ScriptArguments
+    "--dataset_test_split": "data.dataset_test_split",
+    "--dataset_split": "data.dataset_train_split",
     "--text_column_name": "data.text_column",
     "--validation_split_percentage": "data.validation_split_percentage",
     "--max_eval_samples": "data.max_eval_samples",

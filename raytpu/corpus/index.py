@@ -45,10 +45,15 @@ class Sources:
 
 
 def find_sources(cfg: Config, job: Any = None) -> Sources:
-    """``data.train_files`` and ``data.validation_files`` (or a ``DatasetDict``'s validation split,
+    """``data.train_files`` and ``data.validation_files`` (or ``data.dataset_name``'s splits, or a
+    ``DatasetDict``'s validation split,
     or ``data.validation_split_percentage`` of the training documents); with no training files,
     the job's own text (``ReadsText.default_text``)."""
     data = cfg.data
+    if data.dataset_name:
+        from raytpu.corpus.hub import with_dataset_files
+
+        data = with_dataset_files(data)
     if not data.train_files and job is not None:
         train_files, validation_files = job.default_text(cfg)
         data = dataclasses.replace(data, train_files=train_files, validation_files=validation_files)

@@ -23,13 +23,32 @@ from raytpu.storage.filesystems import is_remote
 
 
 def is_text_run(cfg: Config, job: Job) -> bool:
-    """A run on text: files named in ``data.train_files``, or a job that reads text streamed by Ray Data."""
-    return bool(cfg.data.train_files) or streamed(cfg, job)
+    """A run on text: files named in ``data.train_files`` or a data set in ``data.dataset_name``, or a
+    job that reads text streamed by Ray Data."""
+    return bool(cfg.data.train_files or cfg.data.dataset_name) or streamed(cfg, job)
 
 
 def streamed(cfg: Config, job: Job) -> bool:
     """Text streamed by Ray Data (``data.loader: ray``), not tokenized into files (torch)."""
     return cfg.data.loader == "ray" and isinstance(job, ReadsText)
+
+
+def corpus_words(cfg: Config, job: Job, root: Path, blocks: int | None = None) -> str:
+    """The corpus in a message's words: what names it, its training tokens where they were counted
+    (the torch path's token files), the block length."""
+    from raytpu.corpus.tokens import read_summary
+
+    data = cfg.data
+    named = f"data.dataset_name={data.dataset_name!r}" if data.dataset_name else f"data.train_files={data.train_files}"
+    length = job.block_length(cfg) if isinstance(job, ReadsText) else 0
+    tokens = ((read_summary(root) or {}).get("splits", {}).get("train") or {}).get("tokens")
+    if blocks is not None:
+        counted = f"{blocks:,} training blocks of {length} tokens"
+    elif tokens is not None:
+        counted = f"{tokens:,} training tokens, in blocks of {length}"
+    else:
+        counted = f"blocks of {length} tokens"
+    return f"the corpus {named} ({counted})"
 
 
 def text_root(cfg: Config, job: Job) -> Path:
@@ -89,7 +108,10 @@ def text_sizes(cfg: Config, job: Job, root: Path, mode: str) -> dict[str, int]:
     limit = cfg.data.max_eval_samples
     valid = min(index.valid_blocks, limit) if limit else index.valid_blocks
     if not index.train_blocks:
-        raise ConfigError(f"data.train_files hold fewer tokens than one block of {job.block_length(cfg)} tokens")
+        raise ConfigError(
+            f"{corpus_words(cfg, job, root, 0)} holds fewer tokens than one block; add text or lower job.seq_len "
+            "(--block_size)"
+        )
     return {"train": index.train_blocks, "valid": valid} if mode == "train" else {"test": valid}
 
 

@@ -203,6 +203,12 @@ def documents(unit: Unit, text_column: str) -> Iterator[list[str]]:
             yield from batched(readers[unit.format](unit, text_column))
     except (pa.ArrowInvalid, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorpusError(f"{unit.name}: {readable(unit.format)}: {' '.join(str(exc).split())[:200]}") from None
+    except OSError as exc:  # a compressed file whose content is not what its suffix says
+        if not unit.name.endswith(COMPRESSIONS):
+            raise
+        kind = PurePosixPath(unit.name).suffix.lstrip(".")
+        reason = " ".join(str(exc).split())[:200]
+        raise CorpusError(f"{unit.name}: not a {kind} file, as its suffix says ({reason}); fix or rename it") from None
 
 
 def readable(kind: str) -> str:

@@ -37,7 +37,7 @@ from raytpu.cluster.connect import (
 from raytpu.config import Config, dump_yaml
 from raytpu.config.memory import check_memory
 from raytpu.config.plan import Facts, Plan, ScriptPlan, make_plan
-from raytpu.corpus.prepare import streamed, text_sizes
+from raytpu.corpus.prepare import corpus_words, is_text_run, streamed, text_sizes
 from raytpu.driver import preflight
 from raytpu.driver.signals import StopOnSignal
 from raytpu.errors import RunFailed
@@ -154,6 +154,7 @@ def prepare(
         local=local,
         main_metric_mode=job.main_metric_mode if job else "min",
         data_root=str(data_root or ""),
+        data_words=corpus_words(cfg, job, data_root) if job is not None and is_text_run(cfg, job) else "",
         split_sizes=tuple(sizes.items()),
         text=job is not None and streamed(cfg, job),
         name="" if mode != "test" else f"{cfg.run.name}/test-{stamp}",

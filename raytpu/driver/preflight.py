@@ -24,7 +24,7 @@ from raytpu.cluster.connect import check_reachable, one_line
 from raytpu.config import Config, ConfigError
 from raytpu.config.origins import typed_on_command_line
 from raytpu.config.plan import Plan, tracking, worker_range
-from raytpu.corpus.prepare import is_text_run, prepare_text, streamed
+from raytpu.corpus.prepare import corpus_words, is_text_run, prepare_text, streamed
 from raytpu.errors import RunFailed
 from raytpu.job import Job, Synthesizes
 from raytpu.records import checkpoints as ckpt
@@ -214,6 +214,12 @@ def check_data(cfg: Config, job: Job, data_root: Path, mode: str) -> dict[str, i
     for split in ("train", "valid") if mode == "train" else ("test",):
         dataset = job.build_dataset(cfg, split, data_root)
         sizes[split] = len(dataset)
+        if not sizes[split] and is_text_run(cfg, job):
+            what = "training" if split == "train" else "validation"
+            raise ConfigError(
+                f"{corpus_words(cfg, job, data_root)}: its {what} text holds fewer tokens than one block; add text "
+                "or lower job.seq_len (--block_size)"
+            )
         if not sizes[split]:
             raise ConfigError(f"the {split} split of {data_root} is empty; add data or fix --data-path")
         try:
