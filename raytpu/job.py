@@ -222,6 +222,23 @@ class ReadsText(Protocol):
 
 
 @runtime_checkable
+class TakesRecords(Protocol):
+    """A text job that also trains on rows of fields (conversations, prompts and completions: TRL's
+    formats), which it tokenizes itself into the data root on the driver (the torch path); its
+    batches then carry ``labels`` (the tokens the loss skips at -100), ``position_ids`` and
+    ``segments`` (each row's documents)."""
+
+    def takes_records(self, cfg: Config, first: dict[str, Any]) -> bool:
+        """Whether the corpus, of which ``first`` is the first training row, is such rows."""
+        ...
+
+    def prepare_records(self, cfg: Config, data_root: Path, sources: Any) -> None:
+        """Tokenize the training and validation rows of ``sources`` into ``data_root`` (left as they
+        are when made from the same rows and settings)."""
+        ...
+
+
+@runtime_checkable
 class Exports(Protocol):
     """``raytpu export``: write the trained ``model`` (weights loaded, on the CPU) to ``out`` in the
     format its ecosystem loads (a Transformers ``save_pretrained`` folder, ...)."""

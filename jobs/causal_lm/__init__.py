@@ -25,8 +25,8 @@ from torch.utils.data import Dataset
 from raytpu.config import Config
 from raytpu.config.args import Flag
 from raytpu.corpus.packing import TokenizerEncoder
-from raytpu.job import Batch, Job, JobConfig, StepContext, weights_arrive_later
-from raytpu.jobs.causal_lm import corpus, hub
+from raytpu.job import Batch, Job, JobConfig, StepContext, empty_build, weights_arrive_later
+from raytpu.jobs.causal_lm import corpus, hub, sft
 from raytpu.jobs.causal_lm.attention import ATTENTION, attention_for, attention_names
 from raytpu.jobs.causal_lm.configs import (
     DTYPES,
@@ -36,9 +36,11 @@ from raytpu.jobs.causal_lm.configs import (
     context_length,
     expert_parameters,
     mlp_width,
+    names,
     routed_share,
 )
 from raytpu.jobs.causal_lm.fused_loss import PLAIN_HEADS, chunk_length, fuse_loss
+from raytpu.jobs.causal_lm.lora import check_lora, with_lora
 from raytpu.worker.flops import matmul_parameters, transformer_flops_per_token
 
 
@@ -64,6 +66,19 @@ class CausalLMConfig(JobConfig):
     tokenizer: str = ""
     prompt: str = "def "  # generated from at each evaluation (TensorBoard text)
     sample_tokens: int = 48  # tokens generated per evaluation (0 = none)
+    # fine-tuning on rows (conversations, prompt-completion; TRL's SFTConfig names): sft.py
+    packing: bool = False  # rows packed best-fit into job.seq_len (bfd), attention kept inside each document
+    assistant_only_loss: bool = False  # the loss on the assistant's tokens alone (the template's generation marks)
+    completion_only_loss: bool = True  # prompt-completion rows: the loss on the completion alone
+    chat_template_path: str = ""  # a Jinja file, or a tokenizer (Hub name or folder), whose chat template is used
+    # LoRA adapters (peft; TRL's ModelConfig names): the base frozen, the adapters trained
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] = field(default_factory=list)  # [] = peft's for the architecture; all-linear
+    lora_modules_to_save: list[str] = field(default_factory=list)  # modules trained whole beside the adapters
+    export_merged: bool = False  # raytpu export --merged: the adapters merged into the base (Transformers alone)
 
 
 #: bytes an eager decoder layer saves for its backward per token, per hidden and per intermediate
@@ -93,6 +108,23 @@ class CausalLMJob(Job):
         "--trust_remote_code": Flag(key="job.trust_remote_code", switch=True),
         "--attn_implementation": "job.attn_implementation",
         "--cache_dir": "job.cache_dir",
+        "--max_length": "job.seq_len",  # TRL's SFTConfig
+        "--packing": Flag(key="job.packing", switch=True),
+        "--assistant_only_loss": Flag(key="job.assistant_only_loss", switch=True),
+        "--completion_only_loss": Flag(key="job.completion_only_loss", switch=True),
+        "--chat_template_path": "job.chat_template_path",
+        "--dataset_text_field": "data.text_column",
+        "--use_peft": Flag(key="job.use_peft", switch=True),
+        "--lora_r": "job.lora_r",
+        "--lora_alpha": "job.lora_alpha",
+        "--lora_dropout": "job.lora_dropout",
+        "--lora_target_modules": Flag(
+            convert=names("job.lora_target_modules"), text=True, sets="job.lora_target_modules"
+        ),
+        "--lora_modules_to_save": Flag(
+            convert=names("job.lora_modules_to_save"), text=True, sets="job.lora_modules_to_save"
+        ),
+        "--merged": Flag(key="job.export_merged", switch=True),
         "--low_cpu_mem_usage": Flag(
             switch=True, ignored="Transformers 5 always loads a pretrained model so (its weights straight into place)"
         ),
@@ -120,6 +152,10 @@ class CausalLMJob(Job):
         limit = context_length(architecture(job))
         if limit is not None and job.seq_len > limit:
             raise ValueError(f"job.seq_len={job.seq_len} exceeds the model's {limit} positions; lower job.seq_len")
+        check_lora(cfg)
+        if job.use_peft:  # the adapters on the architecture built empty: a target no module matches, now
+            with empty_build():
+                self.build_model(cfg)
 
     def build_model(self, cfg: Config) -> nn.Module:
         from transformers import AutoModelForCausalLM
@@ -140,9 +176,14 @@ class CausalLMJob(Job):
             model.activation_checkpointing_enable({"use_reentrant": False})
         if job.fused_loss:
             fuse_loss(model)
-        return model
+        return with_lora(model, job) if job.use_peft else model
 
     def build_dataset(self, cfg: Config, split: str, data_root: Path) -> Dataset:
+        rows = Path(data_root) / f"sft-{'valid' if split == 'test' else split}"
+        if rows.is_dir():  # rows of conversations or prompts, or packed documents (sft.py)
+            tokenizer = run_tokenizer(cfg.job, data_root)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            return sft.Rows(rows, cfg.job.seq_len, pad)
         tokens = corpus.read_tokens(data_root, split)
         vocabulary = corpus.vocabulary_size(data_root)
         embeddings = cfg.job.vocab_size if not cfg.job.model_name_or_path else vocabulary
@@ -152,6 +193,29 @@ class CausalLMJob(Job):
                 f"set job.vocab_size={vocabulary} or make the data again"
             )
         return corpus.PackedBlocks(tokens, cfg.job.seq_len)
+
+    # --------------------------------------------- rows to fine-tune on (sft.py)
+    def takes_records(self, cfg: Config, first: dict[str, Any]) -> bool:
+        """Conversations or prompt-completion rows; plain text too when ``job.packing`` asks for its
+        documents packed apart (else run_clm.py's joined blocks)."""
+        return "messages" in first or "prompt" in first or cfg.job.packing
+
+    def prepare_records(self, cfg: Config, data_root: Path, sources: Any) -> None:
+        job = cfg.job
+        if Path(corpus.tokenizer_source(job.tokenizer, job.model_name_or_path, data_root)) == Path(data_root):
+            raise ValueError(
+                "fine-tuning on rows (conversations, prompts and completions, or --packing) takes the model's own "
+                "tokenizer (--model_name_or_path) or one named with --tokenizer_name"
+            )
+        tokenizer = run_tokenizer(job, data_root)
+        how = sft.Tokenizing(cfg.data.text_column, job.assistant_only_loss, job.completion_only_loss,
+                             chat_template(job, tokenizer))  # fmt: skip
+        made = sft.prepare(data_root, sources, tokenizer, how, job.seq_len, job.packing)
+        cut = made["splits"]["train"]["truncated"]
+        if cut:
+            print(
+                f"raytpu: {cut} training example(s) longer than job.seq_len={job.seq_len} tokens were cut", flush=True
+            )
 
     # --------------------------------------------- a corpus of the user's (data.train_files)
     def block_length(self, cfg: Config) -> int:
@@ -244,15 +308,17 @@ class CausalLMJob(Job):
 
     # ------------------------------------------------------------------ step
     def train_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, Batch]:
-        ids = batch["input_ids"]
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = forward(model, batch).loss
         return loss, {"loss": loss}
 
     def eval_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> Batch:
-        """The model's mean loss times the tokens it predicts (all blocks have as many), summed."""
-        ids = batch["input_ids"]
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss.float()
-        predicted = torch.full_like(loss, ids.shape[0] * (ids.shape[1] - 1))
+        """The model's mean loss times the tokens it predicts, summed."""
+        loss = forward(model, batch).loss.float()
+        if "labels" in batch:  # the labels the loss takes: each predicts from the token before it
+            predicted = (batch["labels"][:, 1:] != -100).sum().to(loss.dtype)
+        else:  # every block predicts as many
+            ids = batch["input_ids"]
+            predicted = torch.full_like(loss, ids.shape[0] * (ids.shape[1] - 1))
         return {"nll_sum": loss * predicted, "tokens": predicted}
 
     def finish_eval(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -272,13 +338,38 @@ class CausalLMJob(Job):
         """A folder ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load."""
         job = cfg.job
         tokenizer = run_tokenizer(job, data_root)
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        if model.config._attn_implementation == ATTENTION["causal"]:  # raytpu's name, unknown to other installs
+        tokenizer.chat_template = chat_template(job, tokenizer)
+        if job.use_peft and job.export_merged:  # the base with the adapters in it: Transformers loads it alone
+            model = model.merge_and_unload()
+        base = model.get_base_model() if job.use_peft and not job.export_merged else model
+        base.generation_config.pad_token_id = tokenizer.pad_token_id
+        base.generation_config.eos_token_id = tokenizer.eos_token_id
+        if base.config._attn_implementation == ATTENTION["causal"]:  # raytpu's name, unknown to other installs
             # the same attention, with the mask Transformers builds (soft-capped scores: its eager kernel)
-            model.set_attn_implementation("sdpa" if getattr(type(model), "_supports_sdpa", False) else "eager")
-        model.save_pretrained(str(out))
+            base.set_attn_implementation("sdpa" if getattr(type(base), "_supports_sdpa", False) else "eager")
+        model.save_pretrained(str(out))  # a PeftModel: the adapter folder PeftModel.from_pretrained loads
         tokenizer.save_pretrained(str(out))
+
+
+def forward(model: nn.Module, batch: Batch) -> Any:
+    """The model on a batch of blocks (every token a label), or of rows (their labels, positions in
+    their documents, and attention kept inside each document)."""
+    ids = batch["input_ids"]
+    if "labels" not in batch:
+        return model(input_ids=ids, labels=ids, use_cache=False)
+    mask = sft.document_mask(batch["segments"])
+    return model(input_ids=ids, labels=batch["labels"], position_ids=batch["position_ids"], attention_mask=mask,
+                 use_cache=False)  # fmt: skip
+
+
+def chat_template(job: CausalLMConfig, tokenizer: Any) -> str | None:
+    """``job.chat_template_path``'s template (a Jinja file, or a tokenizer's), else the tokenizer's own."""
+    source = job.chat_template_path
+    if not source:
+        return tokenizer.chat_template
+    if Path(source).is_file():
+        return Path(source).read_text()
+    return hub.load_tokenizer(source, hub.options(job), "job.chat_template_path").chat_template
 
 
 def run_tokenizer(job: CausalLMConfig, data_root: Path) -> Any:

@@ -71,13 +71,15 @@ def causal_attention(
     autocast dtype, and autocasts that do not list SDPA, XLA's, pass the mix on). Plain causal
     attention is Transformers' SDPA with ``is_causal``; a sliding window shorter than the block or
     soft-capped scores (Gemma 2) are computed as Transformers' eager attention computes them, the
-    mask made from the shapes alone."""
+    mask made from the shapes alone; a four-dimensional mask given (a row's documents kept apart:
+    ``sft.document_mask``) is applied too."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     query, key = query.to(value.dtype), key.to(value.dtype)
     window = sliding_window if sliding_window and sliding_window < key.shape[2] else None
-    if window is None and softcap is None:
-        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
+    given = attention_mask if attention_mask is not None and attention_mask.dim() == 4 else None
+    if window is None and softcap is None:  # a row's documents apart (sft.document_mask), else the whole block
+        return sdpa_attention_forward(module, query, key, value, given, dropout=dropout, scaling=scaling, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
@@ -88,6 +90,8 @@ def causal_attention(
     keep = columns <= rows
     if window is not None:
         keep = keep & (columns > rows - window)
+    if given is not None:
+        keep = keep & given if given.dtype == torch.bool else keep & (given == 0)
     scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
     weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)

@@ -168,3 +168,12 @@ def mlp_width(config: Any) -> int:
         return dense
     per_expert = getattr(config, "moe_intermediate_size", None) or dense
     return config.num_experts_per_tok * per_expert + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
+
+
+def names(key: str) -> Any:
+    """TRL's ``--lora_target_modules q_proj v_proj`` as ``q_proj,v_proj``: a list of names (or ``all-linear``)."""
+
+    def convert(value: Any) -> list[tuple[str, Any]]:
+        return [(key, [part.strip() for part in str(value).replace(" ", ",").split(",") if part.strip()])]
+
+    return convert

@@ -32,14 +32,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from raytpu.config.batching import BatchPlan
 from raytpu.config.loading import with_values
 from raytpu.config.schema import Config
 from raytpu.errors import ConfigError
-from raytpu.job import EstimatesActivations, Job
+from raytpu.job import EstimatesActivations, Job, empty_build
 from raytpu.parallel.tensor import tensor_plan
 from raytpu.runtime.kinds import LOW_PRECISIONS, compiles, kind_of, registered
 from raytpu.runtime.torch_fsdp import units_of, wrapping_units
@@ -64,6 +63,7 @@ class ModelSize:
     root: int
     split: int = 0
     split_unit: int = 0
+    frozen_bytes: float = 0.0  # the parameters that do not train (a LoRA run's base), in their own dtype
 
     @classmethod
     def of(cls, model: nn.Module, units: list[nn.Module], split_layers: list[str] = ()) -> ModelSize:
@@ -73,7 +73,8 @@ class ModelSize:
         largest = max(units, key=lambda unit: sum(p.numel() for p in unit.parameters()), default=None)
         in_unit = sum(p.numel() for p in largest.parameters() if id(p) in split) if largest is not None else 0
         split_total = sum(p.numel() for p in model.parameters() if id(p) in split)
-        return cls(total, max(sizes, default=0), total - sum(sizes), split_total, in_unit)
+        frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+        return cls(total, max(sizes, default=0), total - sum(sizes), split_total, in_unit, float(frozen))
 
     def held(self, tensor: int) -> tuple[float, float]:
         """The parameters and the largest unit's, counted as a tensor group of ``tensor`` holds them."""
@@ -130,7 +131,7 @@ def estimate(
     compute = 2 if precision in LOW_PRECISIONS else 4
     shards = workers // tensor if sharded else 1
     params, unit = size.held(tensor) if tensor > 1 else (size.parameters, size.largest_unit)
-    weights = 4 * params / shards
+    weights = 4 * params / shards + size.frozen_bytes / shards  # a frozen base: its own dtype, no gradient or state
     gradients = 4 * params / shards
     gathered = 0.0
     if sharded:
@@ -167,7 +168,7 @@ def estimate_run(cfg: Config, job: Job, precision: str | None = None) -> MemoryE
     """One device's bytes for a training step of ``cfg`` (its runtime's precision unless given)."""
     precision = precision or cfg.scaling.precision
     cfg = with_values(cfg, {"scaling.precision": precision})  # what the job's activations count in
-    with torch.device("meta"):
+    with empty_build():  # on the meta device; a pretrained architecture from its config
         model = job.build_model(cfg)
     units = units_of(model, wrapping_units(model, list(cfg.sharding.layers)))
     sharded = cfg.sharding.strategy != "none"

@@ -16,9 +16,9 @@ from typing import Any
 
 from raytpu.config import Config
 from raytpu.corpus.index import CorpusIndex, Sources, corpus_index, find_sources, sample_texts
-from raytpu.corpus.sources import documents, fingerprint
+from raytpu.corpus.sources import documents, fingerprint, records
 from raytpu.errors import ConfigError
-from raytpu.job import Job, ReadsText
+from raytpu.job import Job, ReadsText, TakesRecords
 from raytpu.storage.filesystems import is_remote
 
 
@@ -84,6 +84,15 @@ def prepare_text(cfg: Config, job: Job) -> Path:
     """Everything before joining Ray: the folder raytpu keeps the corpus's derived files in."""
     root = text_root(cfg, job)
     sources = find_sources(cfg, job)
+    if takes_records(cfg, job, sources):  # the job reads, checks and tokenizes its rows itself
+        if streamed(cfg, job):
+            raise ConfigError(
+                "rows of conversations or prompts and completions (or --packing) train on the torch path: drop "
+                "--streaming (data.loader=torch)"
+            )
+        assert isinstance(job, TakesRecords)
+        job.prepare_records(cfg, root, sources)
+        return root
     check_readable(sources, cfg.data.text_column)
     encoder = encoder_of(cfg, job, root, sources)
     if not streamed(cfg, job):
@@ -91,6 +100,14 @@ def prepare_text(cfg: Config, job: Job) -> Path:
 
         tokenize_corpus(root, sources, encoder, cfg.data.text_column)
     return root
+
+
+def takes_records(cfg: Config, job: Job, sources: Sources) -> bool:
+    """Whether the job tokenizes the corpus's rows itself (:class:`~raytpu.job.TakesRecords`)."""
+    if not isinstance(job, TakesRecords) or sources.train[0].format == "text":
+        return job.takes_records(cfg, {}) if isinstance(job, TakesRecords) else False
+    first = next((row for batch in records(sources.train[0]) for row in batch), {})
+    return job.takes_records(cfg, first)
 
 
 def text_index(cfg: Config, job: Job, root: Path) -> tuple[CorpusIndex, Any]:

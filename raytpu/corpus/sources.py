@@ -211,6 +211,39 @@ def documents(unit: Unit, text_column: str) -> Iterator[list[str]]:
         raise CorpusError(f"{unit.name}: not a {kind} file, as its suffix says ({reason}); fix or rename it") from None
 
 
+def records(unit: Unit) -> Iterator[list[dict[str, Any]]]:
+    """The unit's rows as mappings of their fields (conversations, prompts and completions), a batch
+    at a time: JSON lines, parquet and Arrow files; a text file has no fields, and is refused."""
+    try:
+        if unit.format == "json":
+            with unit.open() as stream:
+                head = stream.read(1 << 16)
+            if head.lstrip()[:1] == b"[":  # one JSON array of objects (no streaming form)
+                with unit.open() as stream:
+                    yield json.loads(stream.read())
+                return
+            import pyarrow.json as pajson
+
+            with unit.open() as stream:
+                for batch in pajson.open_json(stream, read_options=pajson.ReadOptions(block_size=1 << 22)):
+                    yield batch.to_pylist()
+        elif unit.format == "parquet":
+            import pyarrow.parquet as pq
+
+            fs, _ = filesystem(unit.root)
+            with fs.open_input_file(unit.path) as handle:
+                for batch in pq.ParquetFile(handle).iter_batches(batch_size=BATCH_DOCUMENTS):
+                    yield batch.to_pylist()
+        elif unit.format == "arrow":
+            with unit.open() as stream:
+                for batch in pa.ipc.open_stream(stream):
+                    yield batch.to_pylist()
+        else:
+            raise CorpusError(f"{unit.name}: a text file holds no rows of fields; give JSON lines, parquet or Arrow")
+    except (pa.ArrowInvalid, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorpusError(f"{unit.name}: {readable(unit.format)}: {' '.join(str(exc).split())[:200]}") from None
+
+
 def readable(kind: str) -> str:
     return {
         "json": "not JSON lines (one JSON object per line, or one JSON array of objects)",

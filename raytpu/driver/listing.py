@@ -119,7 +119,8 @@ def export(cfg: Config, job: Job, checkpoint: str, out: str) -> Path:
     data_root = resolve_data_root(cfg, job, synthesize=False)
     model = job.build_model(cfg)
     weights = ckpt.with_ties(ckpt.load_model_weights(checkpoint), model)
-    mismatch = weights_mismatch(model.state_dict(), weights)
+    expected = {k: v for k, v in model.state_dict().items() if k in weights or k not in ckpt.frozen_names(model)}
+    mismatch = weights_mismatch(expected, weights)
     if mismatch:
         raise ConfigError(f"{checkpoint} does not hold weights of this config's model: {mismatch}")
     ckpt.load_into(model, weights)

@@ -186,10 +186,30 @@ def without_ties(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]
     return {key: value for key, value in state_dict.items() if key not in tied}
 
 
+def frozen_names(model: nn.Module) -> set[str]:
+    """The names of ``model``'s parameters that do not train (a LoRA run's base), where some do, as
+    its state dict names them (a wrapper's own prefixes hidden, as in a checkpoint)."""
+    state = model.state_dict(keep_vars=True)
+    named = [(name, value) for name, value in state.items() if isinstance(value, nn.Parameter)]
+    frozen = {name for name, param in named if not param.requires_grad}
+    return frozen if len(frozen) < len(named) else set()
+
+
+def trained_state(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """What a checkpoint of ``model`` holds: its state less the parameters that do not train (they
+    come from where the model is built: a pretrained base)."""
+    frozen = frozen_names(model)
+    return {key: value for key, value in state_dict.items() if key not in frozen}
+
+
 def load_into(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Load ``weights`` into ``model`` strictly, a tied name that the weights leave out (raytpu's
-    and Transformers' files hold a tied tensor once) taking its twin's tensor."""
-    model.load_state_dict(with_ties(weights, model), strict=True)
+    and Transformers' files hold a tied tensor once) taking its twin's tensor; a checkpoint of what
+    trains (:func:`trained_state`) leaves the frozen parameters as the model was built."""
+    filled = with_ties(weights, model)
+    missing = set(model.state_dict()) - set(filled)
+    partial = bool(missing) and missing <= frozen_names(model)
+    model.load_state_dict(filled, strict=not partial)
 
 
 def with_ties(weights: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:

@@ -162,6 +162,8 @@ class FSDPRuntime(DDPRuntime):
             place(unit, self.device)
             if not self.tensor_parallel_layers:  # else rank 0's weights are everywhere already
                 self._same_start([*unit.parameters(), *unit.buffers()])
+            for part in apart(unit):  # FSDP2 gathers one dtype a group: fp32 adapters on a bf16 base, their own
+                fully_shard(part, **options)
             fully_shard(unit, **options)
         place(model, self.device)  # what no unit holds: the sharded units' DTensors stay as they are
         self._same_start(
@@ -263,6 +265,22 @@ class FSDPRuntime(DDPRuntime):
             if batch is not None:
                 last = batch
             yield last, batch is not None
+
+
+def apart(unit: nn.Module) -> list[nn.Module]:
+    """The modules of ``unit`` whose own parameters are in another dtype than most of the unit's
+    (LoRA adapters trained in fp32 on a frozen bf16 base), sharded as groups of their own."""
+    sizes: dict[torch.dtype, int] = {}
+    for param in unit.parameters():
+        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    if len(sizes) < 2:
+        return []
+    main = max(sizes, key=sizes.__getitem__)
+    return [
+        module
+        for module in unit.modules()
+        if module is not unit and any(p.dtype != main for p in module.parameters(recurse=False))
+    ]
 
 
 def place(module: nn.Module, device: torch.device) -> None:

@@ -144,7 +144,10 @@ class TorchData:
             plan = BatchPlan.of(self.cfg)
             plan.check_split(split, len(dataset), str(self.data_root))
             shard = Subset(dataset, range(self.rank, len(dataset), self.workers))
-            self.eval_loaders[split] = self._loader(shard, batch_size=plan.eval_per_worker)
+            # a generator of its own: an evaluation draws nothing from the global RNG, so that a run
+            # resumed from a checkpoint its last evaluation came before goes on as it would have
+            generator = torch.Generator().manual_seed(self.cfg.run.seed)
+            self.eval_loaders[split] = self._loader(shard, batch_size=plan.eval_per_worker, generator=generator)
         return self.eval_loaders[split]
 
     def sample(self) -> Batch:

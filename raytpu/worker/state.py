@@ -26,6 +26,7 @@ from raytpu.records.checkpoints import (
     TRAIN_STATE,
     CheckpointError,
     CheckpointWriteError,
+    frozen_names,
     is_complete,
     is_sharded,
     load_into,
@@ -34,6 +35,7 @@ from raytpu.records.checkpoints import (
     save_json,
     save_torch,
     save_weights,
+    trained_state,
     without_ties,
 )
 from raytpu.runtime.base import Runtime
@@ -98,9 +100,8 @@ def save_shards(folder: Path, state: TrainState) -> None:
     its own shards, rank 0 the index, no gather onto one process (a collective of every rank)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
+    model_state, optimizer_state = sharded_state(state)
     with warnings.catch_warnings():  # torch 2.9's writer asks tensor.storage() of each tensor it writes
         warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
         try:
@@ -119,12 +120,36 @@ def load_shards(folder: Path, state: TrainState) -> None:
     """Each rank reads the parts of :func:`save_shards`'s files its shards cover, whatever the number
     of ranks that wrote them (``torch.distributed.checkpoint`` reshards)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
+    model_state, optimizer_state = sharded_state(state)
     saved = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(saved, checkpoint_id=str(folder))
-    set_state_dict(state.model, state.optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+    options = shard_options(state.model)
+    set_state_dict(
+        state.model,
+        state.optimizer,
+        model_state_dict=saved["model"],
+        optim_state_dict=saved["optimizer"],
+        options=options,
+    )
+
+
+def sharded_state(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a sharded checkpoint holds: the model's state (less what does not train: a LoRA run's
+    frozen base, a tied name of it too) and the optimizer's."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(state.model, state.optimizer, options=shard_options(state.model))
+    frozen = frozen_names(state.model)
+    return {key: value for key, value in model_state.items() if key not in frozen}, optimizer_state
+
+
+def shard_options(model: nn.Module) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = bool(frozen_names(model))
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 class Checkpointer:
@@ -162,7 +187,7 @@ class Checkpointer:
             save_shards(directory / SHARDED, state)
         else:
             model = rt.unwrap(state.model)
-            model_state = without_ties(rt.to_cpu(model.state_dict()), model)
+            model_state = trained_state(without_ties(rt.to_cpu(model.state_dict()), model), model)
             ema_state = without_ties(rt.to_cpu(state.ema.state_dict()), state.ema) if state.ema is not None else None
             optimizer_state = rt.to_cpu(state.optimizer.state_dict())
         if not rt.is_main:
