@@ -234,3 +234,19 @@ def test_packed_lora_fine_tuning_under_fsdpv2_compiles_one_step(model_dir, tmp_p
     assert report["losses"][-1] < report["losses"][0], report["losses"]
     weights = ckpt.load_model_weights(tmp_path / "runs" / "xla" / "checkpoint_00000008")
     assert weights and all("lora_" in key for key in weights), sorted(weights)[:4]
+
+
+def test_each_evaluation_continues_held_out_prompts_through_the_template(model_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train = write_rows(tmp_path / "c.jsonl", [conversation(i) for i in range(8)])
+    flags = [*words(model_dir, train, "job.sample_tokens=4"), f"data.path={tmp_path / 'p'}", "loop.max_steps=2",
+             "data.global_batch_size=4", "loop.eval_every_steps=2"]  # fmt: skip
+    cfg, job = load_config(FINETUNE, flags)
+    root = prepare_text(cfg, job)
+    Trainer(
+        cfg, job, make_runtime("cpu", "fp32", 1, 0, 0), tmp_path / "run", root, FolderReporter(tmp_path / "run")
+    ).fit()
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    shown = [events.Tensors(f"valid/sample_{i}/text_summary")[-1].tensor_proto.string_val[0].decode() for i in (0, 1)]
+    assert all(text.startswith("<|im_start|>") and "<|im_start|>assistant\n" in text for text in shown), shown

@@ -326,12 +326,17 @@ class CausalLMJob(Job):
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
     def eval_text(self, model: nn.Module, ctx: StepContext, data_root: Path) -> dict[str, str]:
-        """Greedy continuation of ``job.prompt`` (TensorBoard text at each evaluation)."""
+        """Greedy continuation of ``job.prompt`` (TensorBoard text at each evaluation); of a
+        fine-tuning run, of the first held-out rows' prompts (what precedes their first trained token:
+        a conversation through the chat template up to the assistant's turn)."""
         job = ctx.config.job
         if not job.sample_tokens:
             return {}
         tokenizer = run_tokenizer(job, data_root)
-        return {"sample": generate(model, tokenizer, job.prompt, job.sample_tokens)}
+        if not (Path(data_root) / "sft-valid").is_dir():
+            return {"sample": generate(model, tokenizer, job.prompt, job.sample_tokens)}
+        prompts = sft.held_out_prompts(Path(data_root) / "sft-valid", SAMPLED_PROMPTS)
+        return {f"sample_{i}": generate(model, tokenizer, ids, job.sample_tokens) for i, ids in enumerate(prompts)}
 
     # ---------------------------------------------------------------- export
     def export(self, model: nn.Module, cfg: Config, data_root: Path, out: Path) -> None:
@@ -378,16 +383,21 @@ def run_tokenizer(job: CausalLMConfig, data_root: Path) -> Any:
     return corpus.run_tokenizer(source, data_root, hub.options(job))
 
 
+#: held-out prompts a fine-tuning run continues at each evaluation
+SAMPLED_PROMPTS = 2
+
+
 @torch.no_grad()
-def generate(model: nn.Module, tokenizer: Any, prompt: str, tokens: int) -> str:
+def generate(model: nn.Module, tokenizer: Any, prompt: str | list[int], tokens: int) -> str:
     """Greedy continuation of ``prompt`` in one fixed shape: the prompt and ``tokens`` pad slots in
     one row, the whole row through the model at each position (causal attention: a position sees
     none after it), the next token read back and written into its slot. Every step is the same
     graph on XLA, compiled once for all evaluations, where Transformers' ``generate`` grows its
     inputs by a token a step and compiles two to three graphs per token."""
     device = next(model.parameters()).device
-    prompt_ids = tokenizer(prompt)["input_ids"]
-    row = torch.full((1, len(prompt_ids) + tokens), tokenizer.pad_token_id, dtype=torch.long)
+    prompt_ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    row = torch.full((1, len(prompt_ids) + tokens), pad, dtype=torch.long)
     row[0, : len(prompt_ids)] = torch.tensor(prompt_ids)
     for position in range(len(prompt_ids) - 1, row.shape[1] - 1):
         logits = model(input_ids=row.to(device), use_cache=False).logits

@@ -32,6 +32,10 @@ from torch.utils.data import Dataset
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: the record beside the prepared rows of what they were made from
 MADE_FROM = "sft.json"
+#: the first held-out prompts, beside the held-out rows (continued at each evaluation)
+PROMPTS = "prompts.json"
+#: the held-out prompts kept
+KEPT_PROMPTS = 4
 
 
 @dataclass(frozen=True)
@@ -178,9 +182,12 @@ def prepare(root: Path, sources: Any, tokenizer: Any, how: Tokenizing, length: i
     record: dict[str, Any] = {"fingerprint": key, "packing": packing, "splits": {}}
     sides = (("train", sources.train, "train"), ("valid", sources.valid, "valid" if sources.holdout else "all"))
     for split, units, kind in sides:
-        examples = [tokenized(row, tokenizer, how, where) for row, where in rows_of(units, kind, how.text_column,
-                                                                                 sources.holdout)]  # fmt: skip
+        rows = list(rows_of(units, kind, how.text_column, sources.holdout))
+        examples = [tokenized(row, tokenizer, how, where) for row, where in rows]
         record["splits"][split] = write_split(Path(root) / f"sft-{split}", examples, length, packing)
+    asked = (prompt_ids(row, tokenizer, how) for row, _ in rows)  # the held-out side's
+    prompts = [ids[: length - 1] for ids in asked if ids][:KEPT_PROMPTS]
+    (Path(root) / "sft-valid" / PROMPTS).write_text(json.dumps(prompts))
     record_path.write_text(json.dumps(record))
     return record
 
@@ -238,3 +245,25 @@ def document_mask(segments: torch.Tensor) -> torch.Tensor:
     length = segments.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
     return ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]
+
+
+def held_out_prompts(folder: Path, count: int) -> list[list[int]]:
+    """The first ``count`` prompts of the held-out rows (written by :func:`prepare`)."""
+    path = Path(folder) / PROMPTS
+    return json.loads(path.read_text())[:count] if path.is_file() else []
+
+
+def prompt_ids(row: dict[str, Any], tokenizer: Any, how: Tokenizing) -> list[int] | None:
+    """What a row's model is asked (a conversation up to its last assistant turn, through the template
+    with the assistant's turn opened; a prompt), or None for text."""
+    kind = kind_of(row, how.text_column)
+    if kind == "text":
+        return None
+    if kind == "prompt":
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            return list(tokenizer(prompt)["input_ids"])
+        return list(template(tokenizer, prompt, how, row, add_generation_prompt=True)["input_ids"])
+    turns = row["messages"]
+    last = max((i for i, turn in enumerate(turns) if turn["role"] == "assistant"), default=len(turns))
+    return list(template(tokenizer, turns[:last], how, row, add_generation_prompt=True)["input_ids"])
