@@ -115,7 +115,7 @@ def tune(
     verbose: bool = False,
 ) -> SweepResult:
     """``raytpu tune``: run (or resume) the sweep and return where its table and best config are.
-    The tune flags (``--num-samples 8``, ``--search optim.lr=loguniform(1e-4,1e-2)``...) are
+    The tune flags (``--samples 8``, ``--search optim.lr=loguniform(1e-4,1e-2)``...) are
     overrides like any other."""
     from raytpu.cluster.connect import ray_for_this_command
     from raytpu.driver.tune import split_flags, sweep

@@ -100,6 +100,9 @@ class Job:
     main_metric_mode: ClassVar[str] = "min"
     #: seed-script flags accepted on the command line: flag -> dotted config key
     aliases: ClassVar[dict[str, str]] = {}
+    #: the job makes its samples itself (in memory: a notebook cell's tensors): a run needs no data
+    #: folder (``data.path`` may stay unset)
+    data_in_memory: ClassVar[bool] = False
     #: modules the job imports only when it uses them (Transformers, imported lazily so that the
     #: runtime decides about torch_xla first): checked when the job is loaded
     requires: ClassVar[tuple[str, ...]] = ()

@@ -277,6 +277,8 @@ def resolve_data_root(cfg: Config, job: Job, synthesize: bool | None = None) -> 
     given = Path(cfg.data.path) if cfg.data.path else None
     if given is not None and given.exists():
         return given.resolve()
+    if given is None and job.data_in_memory:  # the job makes its samples itself: no folder to read
+        return Path.cwd()
     allowed = cfg.data.synthesize_if_missing if synthesize is None else synthesize
     make = allowed and isinstance(job, Synthesizes)
     if make and given is not None:  # the set asked for, made with this run's seed: not another one
