@@ -30,7 +30,7 @@ from raytpu.config.args import OVERRIDE
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-PAGES = sorted((ROOT / "docs").glob("*.md"))
+PAGES = sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "docs" / "dev").glob("*.md"))
 DOCS = [README, *PAGES]
 README_MAX_LINES = 260
 SHIPPED_JOBS = ("mshnet", "cdeit", "causal_lm")
@@ -504,10 +504,10 @@ Inline: `loop.ema_betta`, `raytpu/launcher.py`, `raytpu.driver.nothing_here`.
 
 
 def test_the_design_page_names_every_module() -> None:
-    design = (ROOT / "docs" / "design.md").read_text()
+    design = (ROOT / "docs" / "dev" / "design.md").read_text()
     modules = sorted(name_of(path) for path in (ROOT / "raytpu").rglob("*.py") if path.name != "__init__.py")
     missing = [module for module in modules if f"`{module}`" not in design]
-    assert not missing, f"docs/design.md does not describe {missing}"
+    assert not missing, f"docs/dev/design.md does not describe {missing}"
 
 
 def test_github_slugs() -> None:

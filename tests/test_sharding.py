@@ -103,7 +103,7 @@ def test_the_eager_activations_are_what_autograd_saves(precision, fused, hidden,
 def test_the_estimate_is_within_15_percent_of_the_h100_peaks():
     """The 789 M Llama of bench/gpu_throughput.py (batch 8 x 2048, bf16, compiled) on one H100
     peaked at 30.36 GB data-parallel and 27.74 GB under FSDP2 (``torch.cuda.max_memory_allocated``,
-    docs/benchmarks.md); the estimate, which once said 44.5 and 43.5 GB, is within 15% of each."""
+    docs/dev/benchmarks.md); the estimate, which once said 44.5 and 43.5 GB, is within 15% of each."""
     shape = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
              "intermediate_size": 5632, "max_position_embeddings": 2048}  # fmt: skip
     words = [f"job.model_config.{key}={value}" for key, value in shape.items()]

@@ -25,7 +25,7 @@ sharded, else 1; ``c`` the bytes of a computed value: 2 in bf16, 4 in fp32):
 The check leaves a tenth of the device to the CUDA context, the allocator's fragmentation and
 the data (``USABLE``). Each device's memory is what its runtime's description knows
 (``raytpu.runtime.builtin``: GPUs by kind). The benchmark ``bench/gpu_throughput.py`` compares the estimate with
-``torch.cuda.max_memory_allocated`` on a GPU (docs/benchmarks.md).
+``torch.cuda.max_memory_allocated`` on a GPU (docs/dev/benchmarks.md).
 """
 
 from __future__ import annotations
