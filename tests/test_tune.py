@@ -370,7 +370,10 @@ def test_pbt_has_a_lagging_trial_go_on_from_the_better_one_s_checkpoint_with_a_p
     flags = ["--search", "optim.lr=grid(0.05, 1e-6)", "--samples", "1", "--scheduler", "pbt"]
     flags += ["--perturbation-interval", "1", "--quantile-fraction", "0.5", "--metric", "train/loss", "--mode", "min"]
     flags += ["--max-concurrent", "2", "--name", "pbt"]
-    rest, tuned, _ = split_flags([*TINY, "loop.epochs=4", f"run.storage_path={tmp_path}"])
+    # steps slow enough (3.2 s an epoch) that the two trials train side by side for several reports
+    # however far apart a busy machine starts them: a trial's exploit needs the other one's score
+    slow = ["loop.epochs=4", "job.step_sleep=0.4", f"run.storage_path={tmp_path}"]
+    rest, tuned, _ = split_flags([*TINY, *slow])
     cfg, job = load_config(toy, rest + tuned + split_flags(flags)[1])
     summary = sweep(cfg, job)
 

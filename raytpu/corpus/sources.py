@@ -20,6 +20,7 @@ Formats, by suffix (``.gz``, ``.bz2``, ``.zst`` and ``.lz4`` compressed ones too
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import json
@@ -196,11 +197,18 @@ def documents(unit: Unit, text_column: str) -> Iterator[list[str]]:
     """The unit's documents, in file order, a batch (:data:`BATCH_DOCUMENTS`) at a time; a file
     that is not what its suffix says, or lacks the text column, is a :class:`CorpusError`."""
     readers = {"json": json_documents, "parquet": parquet_documents, "arrow": arrow_documents}
-    try:
+    with read_errors(unit):
         if unit.format == "text":
             yield from text_documents(unit)
         else:
             yield from batched(readers[unit.format](unit, text_column))
+
+
+@contextlib.contextmanager
+def read_errors(unit: Unit) -> Iterator[None]:
+    """A file that is not what its name says, as one :class:`CorpusError` naming it."""
+    try:
+        yield
     except (pa.ArrowInvalid, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorpusError(f"{unit.name}: {readable(unit.format)}: {' '.join(str(exc).split())[:200]}") from None
     except OSError as exc:  # a compressed file whose content is not what its suffix says
@@ -214,7 +222,7 @@ def documents(unit: Unit, text_column: str) -> Iterator[list[str]]:
 def records(unit: Unit) -> Iterator[list[dict[str, Any]]]:
     """The unit's rows as mappings of their fields (conversations, prompts and completions), a batch
     at a time: JSON lines, parquet and Arrow files; a text file has no fields, and is refused."""
-    try:
+    with read_errors(unit):
         if unit.format == "json":
             with unit.open() as stream:
                 head = stream.read(1 << 16)
@@ -240,8 +248,6 @@ def records(unit: Unit) -> Iterator[list[dict[str, Any]]]:
                     yield batch.to_pylist()
         else:
             raise CorpusError(f"{unit.name}: a text file holds no rows of fields; give JSON lines, parquet or Arrow")
-    except (pa.ArrowInvalid, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorpusError(f"{unit.name}: {readable(unit.format)}: {' '.join(str(exc).split())[:200]}") from None
 
 
 def readable(kind: str) -> str:

@@ -157,7 +157,7 @@ class Sweep:
         if status == "TERMINATED":
             status = "done" if reports is not None and reports >= self.max_t else "stopped early"
         row = {"trial": trial_id, **values, self.metric: metrics.get(self.metric), "reports": reports}
-        row["goodput"] = f"{metrics['goodput']:.0%}" if isinstance(metrics.get("goodput"), float) else None
+        row["goodput"] = f"{metrics['goodput']:.1%}" if isinstance(metrics.get("goodput"), float) else None
         row["status"] = status.lower()
         if self.cfg.tune.lr_scaling != "none":
             row["lr (scaled)"] = trial_config(self.cfg, values).optim.lr
