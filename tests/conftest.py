@@ -93,14 +93,16 @@ def stores():
 @pytest.fixture(scope="session")
 def ray_session(stores):
     """One local Ray instance for the session, started after the storage servers so that its
-    workers read their endpoints and keys from the environment, as a cloud VM's do."""
+    workers read their endpoints and keys from the environment, as a cloud VM's do. Without Ray's
+    dashboard, which no test reads there and which takes a tenth of a core while it runs (the
+    clusters that jobs are submitted to start theirs)."""
     import ray
 
     from raytpu.cluster.connect import connect
 
     assert not ray.is_initialized(), "an earlier command left its Ray instance running (it would miss the stores)"
     os.environ.pop("RAY_ADDRESS", None)
-    connect("local")  # a fresh instance even when another Ray runs on this machine
+    connect("local", dashboard=False)  # a fresh instance even when another Ray runs on this machine
     yield ray
     ray.shutdown()
 

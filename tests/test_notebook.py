@@ -1,6 +1,7 @@
 """The shipped notebook (``examples/quickstart.ipynb``) in a real Jupyter kernel (nbclient): MSHNet
 on 2 local Ray workers drawn as one notebook progress bar, a kernel interrupt that checkpoints the
-run and returns, the same cell resuming it, and a second ``raytpu.train`` of a job written in a cell."""
+run and returns, the same cell resuming it, and a second ``raytpu.train`` of a job written in a cell,
+all on the one local Ray instance the first call started and kept."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from raytpu.cluster.connect import KEPT_LINE
 from tests.conftest import ROOT
 
 NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
@@ -42,10 +44,17 @@ def interrupt_at_first_checkpoint(client: NotebookClient, run_dir: Path, deadlin
     return thread
 
 
+def ray_address(client: NotebookClient) -> str:
+    """The Ray instance the kernel's calls use, read in a cell of the test's own."""
+    cell = nbformat.v4.new_code_cell("import os; os.environ.get('RAY_ADDRESS')")
+    client.execute_cell(cell, 0)
+    return cell.outputs[-1]["data"]["text/plain"]
+
+
 @pytest.mark.integration
-def test_the_notebook_trains_is_interrupted_resumes_and_trains_a_job_of_its_own(ray_session, tmp_path):
-    """The kernel joins the session's Ray instance (one per test process), as a notebook on a cluster's
-    head joins its cluster; alone, ``raytpu.train`` starts a local instance and stops it after the run."""
+def test_the_notebook_trains_is_interrupted_resumes_and_trains_a_job_of_its_own(tmp_path):
+    """A kernel with no cluster to join, as a notebook on a laptop: the first ``raytpu.train`` starts
+    a local Ray instance, says once that it is kept, and every later call of the kernel uses it."""
     work = tmp_path / "examples"
     work.mkdir()
     (tmp_path / "jobs").symlink_to(ROOT / "jobs")  # the notebook names ../jobs/mshnet/small.yaml
@@ -53,7 +62,7 @@ def test_the_notebook_trains_is_interrupted_resumes_and_trains_a_job_of_its_own(
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     imports, train, read, own_job = code
     client = NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(work)}})
-    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
     with client.setup_kernel(env=env):
         client.execute_cell(imports, notebook.cells.index(imports))
         watcher = interrupt_at_first_checkpoint(client, work / "results" / "mshnet-notebook", deadline_s=600)
@@ -62,6 +71,8 @@ def test_the_notebook_trains_is_interrupted_resumes_and_trains_a_job_of_its_own(
         stopped = text_of(train)
         assert "SIGINT received" in stopped and "stopped by SIGINT after checkpointing step" in stopped, stopped
         assert "Traceback" not in stopped
+        assert stopped.count(KEPT_LINE) == 1, stopped
+        kept = ray_address(client)
 
         client.execute_cell(train, notebook.cells.index(train))  # the same cell again: resumed
         resumed = text_of(train)
@@ -78,3 +89,4 @@ def test_the_notebook_trains_is_interrupted_resumes_and_trains_a_job_of_its_own(
         client.execute_cell(own_job, notebook.cells.index(own_job))
         best = ast.literal_eval(own_job.outputs[-1]["data"]["text/plain"])  # the cell's value: best_metrics
         assert best["valid/accuracy"] > 0.9, text_of(own_job)  # chance: 0.5
+        assert KEPT_LINE not in resumed + text_of(own_job) and ray_address(client) == kept

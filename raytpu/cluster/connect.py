@@ -214,8 +214,9 @@ def check_cluster(address: str | None, timeout: float = DEFAULT_TIMEOUT_S) -> di
 
 
 # ------------------------------------------------------------ joining as a driver
-def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> None:
-    """Join the cluster at ``address`` / ``RAY_ADDRESS``, or start a local Ray instance.
+def connect(address: str | None, quiet: bool = False, verbose: bool = False, dashboard: bool | None = None) -> None:
+    """Join the cluster at ``address`` / ``RAY_ADDRESS``, or start a local Ray instance, with Ray's
+    dashboard where ``dashboard`` is None (Ray's default: when it is installed) or True.
 
     An address where nothing answers is refused at once (Ray itself would retry for minutes)."""
     import ray
@@ -244,6 +245,7 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False) -> 
     kwargs.update(logging_level=getattr(logging, level), logging_config=ray.LoggingConfig(log_level=level))
     local = address in (None, "local")
     if local:
+        kwargs["include_dashboard"] = dashboard
         if address is None:
             print("raytpu: no Ray cluster given (--address / RAY_ADDRESS); starting a local Ray instance", flush=True)
         # the nodes of a local instance are never drained: Ray Train's preemption watcher (an actor
