@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class ConfigError(ValueError):
     """A user error in a command, a config file or an override: the message says what to fix."""
@@ -49,3 +51,11 @@ def fixable_line(error: BaseException) -> str | None:
         return str(error)
     text = str(error)
     return text.removeprefix(FIXABLE_MARK) if text.startswith(FIXABLE_MARK) else None
+
+
+def install_hint(extra: str) -> str:
+    """The command that adds an extra to this install. raytpu is installed from its clone (it is
+    not on PyPI): the clone's folder where raytpu runs from one, else the clone the user has."""
+    root = Path(__file__).resolve().parents[1]
+    source = str(root) if (root / "pyproject.toml").is_file() else "<your raytpu clone>"
+    return f"pip install -e '{source}[{extra}]'"

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from raytpu.errors import install_hint
+
 if TYPE_CHECKING:  # the config imports this module; the type is only for readers and checkers
     from raytpu.config import Config
 
@@ -428,14 +430,14 @@ def importable(module: str) -> bool:
         return False
 
 
-#: the extra that installs what a shipped job imports (``pip install 'raytpu[<extra>]'``)
+#: the extra that installs what a shipped job imports (``pip install -e '.[<extra>]'``)
 EXTRAS = {"mshnet": "mshnet", "cdeit": "cdeit", "causal_lm": "lm"}
 
 
 def missing_dependency(exc: ModuleNotFoundError, name: str) -> Exception:
     """A job whose own dependency is not installed: one line naming the extra that installs it."""
     extra = EXTRAS.get(name.removeprefix(f"{SHIPPED}."))
-    fix = f"pip install 'raytpu[{extra}]'" if extra else f"install {exc.name}"
+    fix = install_hint(extra) if extra else f"install {exc.name}"
     return ValueError(f"job {name!r} needs the package {exc.name!r}, which is not installed: {fix}")
 
 

@@ -83,14 +83,15 @@ def test_a_job_whose_extra_is_missing_is_one_line_naming_it():
     done = core_python("import sys, raytpu.cli; sys.exit(raytpu.cli.main(['train', 'jobs/mshnet/small.yaml']))")
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip() == (
-        "raytpu: error: job 'mshnet' needs the package 'skimage', which is not installed: pip install 'raytpu[mshnet]'"
-    )
+        "raytpu: error: job 'mshnet' needs the package 'skimage', which is not installed: "
+        f"pip install -e '{ROOT}[mshnet]'"
+    )  # raytpu runs from its clone here: the extra is installed from there
     done = core_python("import sys, raytpu.cli; sys.exit(raytpu.cli.main(['train', 'jobs/causal_lm/small.yaml']))")
-    assert done.returncode == 2 and "pip install 'raytpu[lm]'" in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 2 and f"pip install -e '{ROOT}[lm]'" in done.stderr, done.stderr[-2000:]
 
 
 def test_the_mlflow_extra_alone_opens_the_default_store(tmp_path):
-    """``pip install 'raytpu[mlflow]'`` then ``--report_to mlflow`` without a server: the extra's own
+    """``pip install -e '.[mlflow]'`` then ``--report_to mlflow`` without a server: the extra's own
     packages (mlflow-skinny, no server, no Flask), in a fresh environment, open the default store
     (an SQLite file beside the runs: ``raytpu.config.plan.default_tracking_uri``) through raytpu's
     tracker and read the run back."""

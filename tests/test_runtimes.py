@@ -116,7 +116,7 @@ def test_torch_tpu_without_tpu_chips_is_one_line(monkeypatch, capsys, tmp_path):
     assert len(err.strip().splitlines()) == 1
     tpu_vm = ClusterOffer(nodes=({"CPU": 8.0, "TPU": 4.0},), available={"CPU": 8.0, "TPU": 4.0}, this_machine=True)
     cfg, _ = load_config(SMALL, ["scaling.runtime=torch_tpu", "scaling.num_workers=1"])
-    with pytest.raises(ConfigError, match=r"needs TorchTPU: pip install 'raytpu\[torch_tpu\]'"):
+    with pytest.raises(ConfigError, match=r"needs TorchTPU: pip install -e '.*\[torch_tpu\]'"):
         kind_of("torch_tpu").check_local(cfg, tpu_vm)
 
 

@@ -139,7 +139,7 @@ def test_optuna_missing_is_one_line_naming_the_extra(monkeypatch, tmp_path, caps
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optuna" else real(name, *a))
     flags = ["--search", "optim.lr=loguniform(1e-3, 1e-1)", "--search-alg", "optuna"]
     assert cli.main(["tune", SMALL, f"run.storage_path={tmp_path}", *flags]) == 2
-    assert "needs Optuna: pip install 'raytpu[optuna]'" in capsys.readouterr().err
+    assert f"needs Optuna: pip install -e '{ROOT}[optuna]'" in capsys.readouterr().err
 
 
 def test_pbt_perturbs_the_lr_within_its_searched_range_unless_told_otherwise():

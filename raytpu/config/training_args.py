@@ -265,7 +265,7 @@ TRAINING_ARGUMENTS: dict[str, Alias] = {
     "--parallelism_config_dp_shard_size": "sharding.mesh.fsdp",
     "--parallelism_config_tp_size": "sharding.mesh.tensor",
     "--auto_find_batch_size": Flag(key="loop.auto_find_batch_size", switch=True),
-    "--debug": Flag(convert=debug, sets="xla.metrics_report (tpu_metrics_debug)"),
+    "--debug": Flag(convert=debug, sets="xla.debug_metrics (tpu_metrics_debug)"),
     "--do_train": Flag(switch=True, convert=do_train, sets="nothing: raytpu train trains"),
     "--do_eval": Flag(switch=True, convert=lambda on: [], sets="nothing: raytpu evaluates at its eval steps"),
     "--overwrite_output_dir": Flag(switch=True, convert=overwrite_output_dir, sets="checkpoint.resume=false"),

@@ -25,7 +25,7 @@ from raytpu.config import Config, ConfigError
 from raytpu.config.origins import typed_on_command_line
 from raytpu.config.plan import Plan, tracking, worker_range
 from raytpu.corpus.prepare import corpus_words, is_text_run, prepare_text, streamed
-from raytpu.errors import RunFailed
+from raytpu.errors import RunFailed, install_hint
 from raytpu.job import Job, Synthesizes
 from raytpu.records import checkpoints as ckpt
 from raytpu.records import summary as run_summary
@@ -78,14 +78,14 @@ def check_trackers(cfg: Config, timeout_s: float = 10.0) -> None:
     for name in ("mlflow", "wandb"):
         if name in log.report_to and importlib.util.find_spec(name) is None:
             raise ConfigError(
-                f"logging.report_to: {name} is not installed: pip install 'raytpu[{name}]', or leave {name} out "
+                f"logging.report_to: {name} is not installed: {install_hint(name)}, or leave {name} out "
                 "of --report_to / logging.report_to"
             )
     uri = found.get("logging.mlflow_tracking_uri", log.mlflow_tracking_uri)
     if "mlflow" in log.report_to and uri.startswith(DATABASE_STORES) and importlib.util.find_spec("sqlalchemy") is None:
         raise ConfigError(
             f"logging.report_to: MLflow's store {uri.split(':')[0]}:// needs sqlalchemy and alembic, which "
-            "pip install 'raytpu[mlflow]' installs with the MLflow client; or point MLFLOW_TRACKING_URI at a server"
+            f"{install_hint('mlflow')} installs with the MLflow client; or point MLFLOW_TRACKING_URI at a server"
         )
     if "mlflow" in log.report_to and uri.startswith(("http://", "https://")):
         try:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from raytpu.config import Config, ConfigError, with_values
 from raytpu.config.plan import Plan
 from raytpu.config.validation import validate
+from raytpu.errors import install_hint
 from raytpu.job import Job
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ def check_optuna(cfg: Config, searches: list[Search]) -> None:
     import importlib.util
 
     if importlib.util.find_spec("optuna") is None:
-        raise ConfigError("--search-alg optuna needs Optuna: pip install 'raytpu[optuna]'")
+        raise ConfigError(f"--search-alg optuna needs Optuna: {install_hint('optuna')}")
     grids = [search.key for search in searches if search.kind == "grid"]
     if grids:
         raise ConfigError(

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raytpu.errors import ConfigError
+from raytpu.errors import ConfigError, install_hint
 from raytpu.runtime.base import GPUS_WITH_FLOAT8, GPUS_WITHOUT_BF16, device_memory_gb, gpu_peak_flops
 from raytpu.runtime.kinds import Machine, RuntimeKind, no_float8
 from raytpu.runtime.tpu import tpu_peak_flops
@@ -178,7 +178,7 @@ class XLA(RuntimeKind):
 
     def missing_here(self, machine: Machine) -> str:
         if machine.tpu_chips and not {"torch_xla", "torch_tpu"} & machine.installed:
-            return "a TPU is present but torch_xla is not installed: pip install 'raytpu[tpu]'"
+            return f"a TPU is present but torch_xla is not installed: {install_hint('tpu')}"
         return ""
 
     def precision(self, requested: str, bf16_supported: bool = True) -> tuple[str, str | None]:

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.nn.functional import all_reduce
 from torch.nn.parallel import DistributedDataParallel
 
+from raytpu.errors import install_hint
 from raytpu.runtime.base import Runtime, batchnorm_scope, check_float8, clip_or_measure, gpu_peak_flops
 from raytpu.runtime.compiled import CompileWatch, compile_regions, compile_whole
 from raytpu.runtime.tpu import tpu_peak_flops
@@ -264,7 +265,7 @@ def convert_to_float8(model: nn.Module, recipe: str, gather_in_float8: bool = Fa
     except ImportError as exc:
         raise RuntimeError(
             f"scaling.precision=fp8 computes linear layers in float8 with torchao, which does not load here ({exc}): "
-            "pip install 'raytpu[fp8]'"
+            f"{install_hint('fp8')}"
         ) from None
     chosen = set(float8_layers(model))
     config = Float8LinearConfig.from_recipe_name(recipe)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-from raytpu.errors import ConfigError
+from raytpu.errors import ConfigError, install_hint
 from raytpu.runtime.builtin import offered, tpu_scaling
 from raytpu.runtime.kinds import Machine, RuntimeKind, no_float8
 from raytpu.runtime.tpu import tpu_peak_flops
@@ -92,7 +92,7 @@ class TorchTPU(RuntimeKind):
         """On a TPU VM (the placement refused a machine without chips): TorchTPU installed here."""
         if importlib.util.find_spec("torch_tpu") is None:
             raise ConfigError(
-                "scaling.runtime=torch_tpu needs TorchTPU: pip install 'raytpu[torch_tpu]' (apart from [xla])"
+                f"scaling.runtime=torch_tpu needs TorchTPU: {install_hint('torch_tpu')} (apart from [xla])"
             )
 
     def torch_config(self, verbose: bool = False) -> Any:

@@ -13,6 +13,7 @@ from torch import nn
 
 from raytpu.config import ConfigError, LoopSettings, OptimSettings
 from raytpu.config.training_args import warmup_steps
+from raytpu.errors import install_hint
 
 
 def build_optimizer(cfg: OptimSettings, model: nn.Module, fused: bool = False) -> torch.optim.Optimizer:
@@ -24,7 +25,7 @@ def build_optimizer(cfg: OptimSettings, model: nn.Module, fused: bool = False) -
         try:
             from transformers.optimization import Adafactor
         except ImportError as exc:
-            raise ConfigError("optim.name=adafactor is Transformers' Adafactor: pip install 'raytpu[lm]'") from exc
+            raise ConfigError(f"optim.name=adafactor is Transformers' Adafactor: {install_hint('lm')}") from exc
 
         # what TrainingArguments(optim="adafactor") builds: the given lr, no relative step or scaling
         return Adafactor(params, lr=cfg.lr, scale_parameter=False, relative_step=False)
