@@ -38,36 +38,42 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 
 #: the test files that take a test process longest (a minute or more, longest first; measured in a
-#: clean clone on 2026-11-27, late), collected first. pytest-xdist hands out whole files in
+#: clean clone, and the newer files alone), collected first. pytest-xdist hands out whole files in
 #: collection order (scripts/test.sh: --dist loadfile --no-loadscope-reorder), so the short files
 #: come last and even out the ends of the two processes; handed out by number of tests instead, a
 #: 2-minute learning test came last and the other process sat idle for 3 minutes of a 20-minute suite
 LONGEST_FIRST = (
     "test_multinode.py",
     "test_tune.py",
-    "test_autoscaling.py",
     "test_launch.py",
+    "test_autoscaling.py",
+    "test_integration_ray.py",
     "test_corpus_ray.py",
     "test_buckets.py",
-    "test_faults.py",
-    "test_causal_lm.py",
     "test_tracking.py",
-    "test_xla.py",
-    "test_cdeit_learning.py",
-    "test_mshnet_learning.py",
-    "test_submit.py",
+    "test_faults.py",
+    "test_sft.py",
     "test_sharding.py",
-    "test_mesh.py",
-    "test_scan.py",
-    "test_integration_ray.py",
     "test_notebook.py",
+    "test_mshnet_learning.py",
+    "test_cdeit_learning.py",
+    "test_submit.py",
+    "test_causal_lm.py",
+    "test_xla.py",
+    "test_architectures.py",
     "test_full_disk.py",
-    "test_ingest_ray.py",
-    "test_batch_finder.py",
-    "test_local.py",
+    "test_mesh.py",
+    "test_hub.py",
     "test_compile.py",
+    "test_scan.py",
+    "test_fsdp.py",
+    "test_batch_finder.py",
     "test_own_job.py",
+    "test_ingest_ray.py",
+    "test_local.py",
     "test_packaging.py",
+    "test_runtimes.py",
+    "test_float8.py",
     "test_corpus.py",
 )
 
