@@ -236,6 +236,16 @@ def read_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
+def all_cpus_free(ray, wait_s: float = 30) -> bool:
+    """Whether every CPU of the Ray instance is free again within ``wait_s`` (Ray frees them asynchronously)."""
+    ends = time.monotonic() + wait_s
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+        if time.monotonic() > ends:
+            return False
+        time.sleep(1)
+    return True
+
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory) -> Path:
     """The toy job's config (no dropout: an untrained trial's loss is its initial model's) and data folder."""
@@ -257,6 +267,7 @@ def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_sessi
     rest, tuned, _ = split_flags(TINY + [f"run.storage_path={tmp_path}", *flags])
     cfg, job = load_config(toy, rest + tuned)
     summary = sweep(cfg, job)
+    assert all_cpus_free(ray_session), ray_session.available_resources()  # no trial's reservation left
 
     rows = read_rows(tmp_path / "asha" / "results.csv")
     assert len(rows) == 3

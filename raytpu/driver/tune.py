@@ -245,6 +245,7 @@ def sweep(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
     )
     wait_for_workers(plan)  # the first trial's nodes; later trials find them up, or wait in Ray Train
     status = "FAILED"
+    before = live_placement_groups()
     try:
         summary = finish(sweep, tuner.fit())
         status = "FINISHED"
@@ -253,7 +254,31 @@ def sweep(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
         status = "KILLED"
         raise
     finally:
+        release_placement_groups(live_placement_groups() - before)
         end_sweep_trackers(plan.config, parent, status)
+
+
+def live_placement_groups() -> set[str]:
+    """The placement groups of this driver's job (a group's id ends with its job's) not yet removed."""
+    import ray
+    from ray.util import placement_group_table
+
+    job = ray.get_runtime_context().get_job_id()
+    table = placement_group_table().items()
+    return {pg_id for pg_id, entry in table if pg_id.endswith(job) and entry.get("state") != "REMOVED"}
+
+
+def release_placement_groups(pg_ids: set[str]) -> None:
+    """Remove the placement groups the sweep's trials left behind: a trial that a scheduler stops
+    leaves its worker group's reservation in place until the driver exits, and a notebook's kept
+    Ray instance would hold those CPUs from the next call."""
+    from ray._raylet import PlacementGroupID
+    from ray.util import remove_placement_group
+    from ray.util.placement_group import PlacementGroup
+
+    for pg_id in pg_ids:
+        with contextlib.suppress(Exception):  # removed meanwhile by Ray Train's own cleaner
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
 
 
 def sweep_trackers(cfg: Config, sweep: Sweep) -> dict[str, str]:
