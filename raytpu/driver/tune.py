@@ -272,13 +272,13 @@ def release_placement_groups(pg_ids: set[str]) -> None:
     """Remove the placement groups the sweep's trials left behind: a trial that a scheduler stops
     leaves its worker group's reservation in place until the driver exits, and a notebook's kept
     Ray instance would hold those CPUs from the next call."""
-    from ray._raylet import PlacementGroupID
+    import ray
     from ray.util import remove_placement_group
     from ray.util.placement_group import PlacementGroup
 
     for pg_id in pg_ids:
         with contextlib.suppress(Exception):  # removed meanwhile by Ray Train's own cleaner
-            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
 
 
 def sweep_trackers(cfg: Config, sweep: Sweep) -> dict[str, str]:
