@@ -4,7 +4,7 @@
 # torch==2.9.0, the one torch torch_xla 2.9.0 works with, so that the quick start and the tests share
 # one torch (the quick start first, then the tests: torch is downloaded once).
 # The interpreter: $PYTHON (default python3), 3.10 or newer, with its venv module.
-# Idempotent: a second run with the same extras only checks that everything is there.
+# Idempotent: a run whose extras are already installed (`mshnet` after the default) only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-all,xla,dev}"
@@ -17,8 +17,35 @@ if [ ! -x .venv/bin/python ]; then
     fi
     "$PYTHON" -m venv .venv
 fi
-marker=".venv/.raytpu-installed-${EXTRAS//,/-}"
-if ! .venv/bin/python -c "import raytpu, ray" 2>/dev/null || [ ! -e "$marker" ] || [ pyproject.toml -nt "$marker" ]; then
+# installed: every requirement of the extras named (and of those they name, as `all` names every
+# job's) is there at a version it accepts, by raytpu's installed metadata, and pyproject.toml has not
+# changed since the last install; `mshnet` after `all` only checks
+marker=".venv/.raytpu-installed"
+if ! .venv/bin/python - "$EXTRAS" 2>/dev/null <<'PY' || [ ! -e "$marker" ] || [ pyproject.toml -nt "$marker" ]; then
+import sys
+from importlib.metadata import PackageNotFoundError, distribution, version
+
+from packaging.requirements import Requirement
+
+
+def satisfied(name: str, extras: set[str]) -> bool:
+    """Whether every requirement of ``name`` with ``extras``, and of theirs, is installed."""
+    for text in distribution(name).requires or []:
+        req = Requirement(text)
+        if req.marker is not None and not any(req.marker.evaluate({"extra": extra}) for extra in extras):
+            continue
+        try:
+            if not req.specifier.contains(version(req.name), prereleases=True):
+                return False
+        except PackageNotFoundError:
+            return False
+        if req.extras and not satisfied(req.name, set(req.extras) | {""}):
+            return False
+    return True
+
+
+sys.exit(not satisfied("raytpu", set(sys.argv[1].split(",")) | {""}))
+PY
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet -e ".[$EXTRAS]" "torch==2.9.0"
     touch "$marker"
