@@ -1,7 +1,8 @@
 """The shipped notebook (``examples/quickstart.ipynb``) in a real Jupyter kernel (nbclient): MSHNet
 on 2 local Ray workers drawn as one notebook progress bar, a kernel interrupt that checkpoints the
 run and returns, the same cell resuming it, and a second ``raytpu.train`` of a job written in a cell,
-all on the one local Ray instance the first call started and kept."""
+all on the one local Ray instance the first call started and kept; then the notebook page's own
+cells (docs/notebook.md) in the same kernel, the last of which stops that instance."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from nbclient import NotebookClient
 
 from raytpu.cluster.connect import KEPT_LINE
 from tests.conftest import ROOT
+from tests.task_pages import cells, is_install_cell, sandbox
 
 NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
 WIDGET = "application/vnd.jupyter.widget-view+json"
@@ -90,3 +92,25 @@ def test_the_notebook_trains_is_interrupted_resumes_and_trains_a_job_of_its_own(
         best = ast.literal_eval(own_job.outputs[-1]["data"]["text/plain"])  # the cell's value: best_metrics
         assert best["valid/accuracy"] > 0.9, text_of(own_job)  # chance: 0.5
         assert KEPT_LINE not in resumed + text_of(own_job) and ray_address(client) == kept
+        page_cells(client, sandbox(tmp_path / "clone"))
+
+
+def page_cells(client: NotebookClient, folder: Path) -> None:
+    """The notebook page's cells (docs/notebook.md), in a notebook in a clone's root as the page
+    says, with the one-minute override it names; the Ray instance the kernel kept, then stopped."""
+    chdir = nbformat.v4.new_code_cell(f"import os; os.chdir({str(folder)!r})")
+    client.execute_cell(chdir, 0)
+    train, read, test, stop = [nbformat.v4.new_code_cell(c) for c in cells("notebook.md") if not is_install_cell(c)]
+    assert train.source.count('"run.name=mshnet-notebook")') == 1, train.source
+    train.source = train.source.replace(
+        '"run.name=mshnet-notebook")', '"run.name=mshnet-notebook", "loop.max_steps=40")'
+    )
+    for index, cell in enumerate((train, read, test, stop)):
+        client.execute_cell(cell, index)
+        assert not [out for out in cell.outputs if out.output_type == "error"], text_of(cell)
+    assert "starting a local Ray instance" not in text_of(train), text_of(train)  # the kept one
+    assert str(folder / "results" / "mshnet-notebook") in text_of(read)
+    assert "test/mIoU" in test.outputs[-1]["data"]["text/plain"], test.outputs
+    after = nbformat.v4.new_code_cell("ray.is_initialized()")
+    client.execute_cell(after, 0)
+    assert after.outputs[-1]["data"]["text/plain"] == "False"

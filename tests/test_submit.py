@@ -1,7 +1,7 @@
 """raytpu submit: the pure pieces (entrypoint, runtime_env, address, token, follow-up), and
 integration tests against a real local head (`ray start --head` on loopback with its own ports,
-temp dir and token): a job through plain `ray job submit` (the classifier of `examples/`), a
-`raytpu submit` refused without the token, and `raytpu launch` through both."""
+temp dir and token): the TPU cluster page's commands (`raytpu submit` and plain `ray job submit`
+into a bucket), a `raytpu submit` refused without the token, and `raytpu launch` through both."""
 
 from __future__ import annotations
 
@@ -349,49 +349,45 @@ def stop_head(head: subprocess.Popen, temp_dir: str) -> None:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def tiny(tmp: Path, name: str) -> list[str]:
-    """The classifier of examples/ on one worker for one epoch, its data made where it runs."""
-    where = [f"data.path={tmp / 'data'}", f"run.storage_path={tmp}", f"run.name={name}"]
-    return ["loop.epochs=1", "scaling.num_workers=1", "logging.progress_bar=false", *where]
-
-
-def checkpoints(run: Path) -> list[Path]:
-    return sorted(p for p in run.glob("checkpoint_*") if (p / "meta.json").exists())
-
-
 @pytest.mark.integration
-def test_submit_a_run_to_a_real_head(ray_head: dict, tmp_path: Path, monkeypatch, capsys) -> None:
-    """Plain `ray job submit ... -- raytpu train`, and `raytpu submit` without the token. (`raytpu
-    submit` into a bucket, on a cluster whose autoscaler starts the TPU node: tests/test_autoscaling.py.)"""
-    from ray.job_submission import JobStatus, JobSubmissionClient
-
+def test_the_tpu_cluster_page_on_a_real_head(ray_head: dict, tmp_path: Path, monkeypatch, capsys) -> None:
+    """The cluster page's commands (docs/tpu-cluster.md), in order, with this head standing in for
+    `ray up`'s: its dashboard's address for the tunnel's, the tests' GCS server and bucket for the
+    page's, the head's token where `ray get-auth-token --generate` finds it (in the page's home, as
+    `ray up` would have copied the one made there). `raytpu submit` and plain `ray job submit` train
+    into the bucket, `raytpu runs` lists the runs there, and a `ray job submit` tests the best
+    checkpoint. Then `raytpu submit` without the token: one line, nothing submitted."""
     from raytpu import cli
+    from tests.stores import BUCKET
+    from tests.task_pages import commands, outputs, sandbox, script
 
-    auth = {"RAY_AUTH_TOKEN": ray_head["token"]}
-    # plain Ray: the client sends the token only with RAY_AUTH_MODE=token
-    plain = subprocess.run(
-        [str(VENV_BIN / "ray"), "job", "submit", "--address", ray_head["address"], "--no-wait"]
-        + ["--working-dir", ".", "--submission-id", "plain-ray-job", "--"]
-        + ["raytpu", "train", "examples/classifier.yaml", *tiny(tmp_path, "via-ray")],
-        cwd=ROOT,
-        env={**os.environ, **auth, "RAY_AUTH_MODE": "token"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-2000:]
+    page = "tpu-cluster.md"
+    folder = sandbox(tmp_path / "clone")
+    (folder / "home" / ".ray").mkdir()
+    (folder / "home" / ".ray" / "auth_token").write_text(ray_head["token"])
+    stand_ins = {"http://127.0.0.1:8265": ray_head["address"], "gs://my-raytpu-bucket": f"gs://{BUCKET}"}
+    env = {**os.environ, "HOME": str(folder / "home"), "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run(["bash", "-c", script(page, stand_ins)], cwd=folder, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-6000:]
+    said = outputs(done.stdout)
+    shown = commands(page)
+
+    def output(start: str, nth: int = 0) -> str:
+        return said[[i for i, command in enumerate(shown) if command.startswith(start)][nth]]
+
+    assert "project_id: my-project-123456" in (folder / "cluster.yaml").read_text()
+    assert output("ray get-auth-token").strip() == ray_head["token"]
+    assert "succeeded" in output("raytpu submit").splitlines()[-1], output("raytpu submit")[-3000:]
+    assert "mshnet-small" in output("raytpu runs $BUCKET/runs")
+    listed = output("raytpu runs $BUCKET/runs/mshnet-small")
+    assert "checkpoint_00000020" in listed and "best" in listed, listed
+    assert '"test/mIoU"' in output("ray job submit", 1), output("ray job submit", 1)[-3000:]
 
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token
     assert cli.main(["submit", "examples/classifier.yaml", NODES_DATA, "--address", ray_head["address"]]) == 2
     assert "token authentication is on" in capsys.readouterr().err.strip().splitlines()[-1]
-
-    client = JobSubmissionClient(ray_head["address"], headers={"Authorization": f"Bearer {ray_head['token']}"})
-    deadline = time.monotonic() + 300
-    while (status := client.get_job_status("plain-ray-job")) not in (JobStatus.SUCCEEDED, JobStatus.FAILED):
-        assert time.monotonic() < deadline, client.get_job_logs("plain-ray-job")[-3000:]
-        time.sleep(2)
-    assert status == JobStatus.SUCCEEDED, client.get_job_logs("plain-ray-job")[-3000:]
-    assert checkpoints(tmp_path / "via-ray")
 
 
 @pytest.mark.integration

@@ -214,6 +214,12 @@ def check_cluster(address: str | None, timeout: float = DEFAULT_TIMEOUT_S) -> di
 
 
 # ------------------------------------------------------------ joining as a driver
+#: the Hugging Face libraries' cache, offline mode and endpoint as the driver has them, for its
+#: workers to read the Hub as the driver's checks did (never a token: each node has its own login)
+HUB_VARIABLES = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
+                 "TRANSFORMERS_OFFLINE", "HF_ENDPOINT")  # fmt: skip
+
+
 def connect(address: str | None, quiet: bool = False, verbose: bool = False, dashboard: bool | None = None) -> None:
     """Join the cluster at ``address`` / ``RAY_ADDRESS``, or start a local Ray instance, with Ray's
     dashboard where ``dashboard`` is None (Ray's default: when it is installed) or True.
@@ -227,6 +233,7 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False, das
     check_reachable(address)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
     env.update(endpoint_variables())  # where the stores are; never credentials: each node has its own
+    env.update({name: os.environ[name] for name in HUB_VARIABLES if os.environ.get(name)})
     env["RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS"] = "0"
     # TorchTPU's autoload off in every worker, as in the driver (raytpu/__init__.py): its runtime loads it
     env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
