@@ -59,8 +59,8 @@ PLANS: dict[str, dict[str, Step]] = {
         '16, 32)" --search "optim.lr=loguniform(1e-5, 1e-3)" --samples 6': Step(added="--samples 2 --max_steps 20"),
         "raytpu train jobs/causal_lm/small.yaml": SHORT_FLAG,
         "raytpu train jobs/causal_lm/small.yaml --model_type gpt2 --config_name openai-community/gpt2 "
-        '--config_overrides "n_layer=4,n_embd=256,n_head=4" --tokenizer_name openai-community/gpt2 --train_file corpus.jsonl '
-        "--run_name gpt2-scratch": SHORT_FLAG,
+        '--config_overrides "n_layer=4,n_embd=256,n_head=4" --tokenizer_name openai-community/gpt2 '
+        "--train_file corpus.jsonl --run_name gpt2-scratch": SHORT_FLAG,
         "raytpu export jobs/causal_lm/finetune.yaml --checkpoint best --out exported/": RUN,
         'python -c "from transformers import pipeline; '
         "print(pipeline('text-generation', 'exported/')('def ')[0])\"": RUN,
