@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,15 +189,14 @@ SERVE = """serve() {
 
 
 def sandbox(folder: Path) -> Path:
-    """A folder that holds the clone's files (linked) and none of its runs or data, for a page's
-    commands to run in as in a fresh clone: what they write lands in it alone."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for entry in ROOT.iterdir():
-        if entry.name in {"results", "data", ".git", "cluster.yaml"} or (folder / entry.name).exists():
-            continue
-        (folder / entry.name).symlink_to(entry)
-    (folder / "cluster.yaml").write_text((ROOT / "cluster.yaml").read_text())  # a page edits it
-    (folder / "home").mkdir()
+    """A copy of the clone's tracked files, with its ``.venv`` linked, for a page's commands to run
+    in as in a fresh clone: what they write lands in it alone, and what they upload is in it."""
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in tracked.decode().split("\0"):
+        if name and (ROOT / name).is_file():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, folder / name)
+    (folder / ".venv").symlink_to(ROOT / ".venv")
     return folder
 
 

@@ -363,10 +363,11 @@ def test_the_tpu_cluster_page_on_a_real_head(ray_head: dict, tmp_path: Path, mon
 
     page = "tpu-cluster.md"
     folder = sandbox(tmp_path / "clone")
-    (folder / "home" / ".ray").mkdir()
-    (folder / "home" / ".ray" / "auth_token").write_text(ray_head["token"])
+    home = tmp_path / "home"  # not in the folder the jobs upload
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text(ray_head["token"])
     stand_ins = {"http://127.0.0.1:8265": ray_head["address"], "gs://my-raytpu-bucket": f"gs://{BUCKET}"}
-    env = {**os.environ, "HOME": str(folder / "home"), "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "HOME": str(home), "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run(["bash", "-c", script(page, stand_ins)], cwd=folder, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=900)  # fmt: skip

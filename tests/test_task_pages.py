@@ -88,9 +88,10 @@ def test_the_notebook_page_s_set_up(tmp_path: Path) -> None:
     """The set-up installs nothing more into a venv that has the notebook extra, and registers a
     kernel named raytpu that runs the venv's Python (its cells: tests/test_notebook.py)."""
     folder = sandbox(tmp_path / "clone")
-    said = run_page("notebook.md", folder, {"HOME": str(folder / "home")})  # the kernel registered there
+    home = tmp_path / "home"  # where the kernel is registered
+    said = run_page("notebook.md", folder, {"HOME": str(home)})
     assert "raytpu environment ready" in said[number_of("notebook.md", "bash scripts/bootstrap.sh")]
-    kernel = json.loads((folder / "home" / ".local/share/jupyter/kernels/raytpu/kernel.json").read_text())
+    kernel = json.loads((home / ".local/share/jupyter/kernels/raytpu/kernel.json").read_text())
     assert kernel["display_name"] == "raytpu" and kernel["argv"][0].startswith(str(folder / ".venv")), kernel
 
 
