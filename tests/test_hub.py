@@ -40,9 +40,9 @@ def texts(count: int, start: int = 0) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def hf_home(tmp_path_factory) -> Path:
-    """A Hugging Face cache holding a tiny GPT-2 with its tokenizer (``tiny-org/gpt2``), its config
-    alone (``tiny-org/gpt2-config``), and a data set of JSON-lines files with a README's configs
-    (``tiny-org/functions``)."""
+    """A Hugging Face cache holding a tiny GPT-2 with its tokenizer (``tiny-org/gpt2``) and a data set
+    of JSON-lines files with a README's configs (``tiny-org/functions``). (``run_clm.py``'s
+    from-scratch form, by a config's Hub name: tests/test_task_pages.py, the fine-tuning page.)"""
     from transformers import AutoModelForCausalLM, GPT2Config
 
     home = tmp_path_factory.mktemp("hf")
@@ -53,7 +53,6 @@ def hf_home(tmp_path_factory) -> Path:
     snapshot = cached_repo(home, "models", "tiny-org/gpt2")
     model.save_pretrained(snapshot)
     tokenizer.save_pretrained(snapshot)
-    GPT2Config(**GPT2).save_pretrained(cached_repo(home, "models", "tiny-org/gpt2-config"))
     dataset = cached_repo(home, "datasets", "tiny-org/functions")
     (dataset / "data").mkdir()
     for split, rows in (("train", texts(400)), ("validation", texts(40, 1000))):
@@ -145,17 +144,6 @@ def losses(run_dir: Path) -> list[float]:
 
 def cached_repo_path(hf_home: Path) -> Path:
     return hf_home / "hub" / "models--tiny-org--gpt2" / "snapshots" / REVISION
-
-
-def test_run_clm_s_from_scratch_form_builds_from_a_hub_config(hf_home, tmp_path):
-    """``--model_type gpt2 --config_name tiny-org/gpt2-config --tokenizer_name tiny-org/gpt2``: the
-    config's architecture, with ``--config_overrides`` over it, trained from scratch."""
-    words = ["--model_type", "gpt2", "--config_name", "tiny-org/gpt2-config", "--tokenizer_name", "tiny-org/gpt2"]
-    words += ["--config_overrides", "n_layer=1", "--dataset_name", "tiny-org/functions", "--run_name", "scratch"]
-    done = run_offline(hf_home, tmp_path, *words)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    trained = json.loads((tmp_path / "runs" / "scratch" / "checkpoint_00000004" / "meta.json").read_text())
-    assert trained["config"]["job"]["config_name"] == "tiny-org/gpt2-config"
 
 
 @pytest.mark.parametrize(
