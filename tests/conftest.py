@@ -44,8 +44,9 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 #: 2-minute learning test came last and the other process sat idle for 3 minutes of a 20-minute suite
 LONGEST_FIRST = (
     "test_multinode.py",
-    "test_tune.py",
     "test_launch.py",
+    "test_task_pages.py",
+    "test_tune.py",
     "test_autoscaling.py",
     "test_integration_ray.py",
     "test_corpus_ray.py",
