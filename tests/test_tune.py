@@ -369,8 +369,6 @@ def test_an_interrupted_optuna_sweep_resumes_its_search_without_rerunning_finish
     assert events.Scalars("train/loss"), events.Tags()
 
 
-@pytest.mark.skip(reason="PBT's exploit did not happen in two clean-clone runs on a busy 2-core machine (both "
-                  "trials reported 4 times side by side); open on issue 60 until the cause is found")
 def test_pbt_has_a_lagging_trial_go_on_from_the_better_one_s_checkpoint_with_a_perturbed_lr(ray_session, tmp_path, toy):
     """Two trials, lr 0.05 and 1e-6: at a perturbation the lagging one takes the other's latest
     checkpoint (a copy in its own folder) with a perturbed lr and goes on from its step; the
@@ -383,9 +381,13 @@ def test_pbt_has_a_lagging_trial_go_on_from_the_better_one_s_checkpoint_with_a_p
     flags = ["--search", "optim.lr=grid(0.05, 1e-6)", "--samples", "1", "--scheduler", "pbt"]
     flags += ["--perturbation-interval", "1", "--quantile-fraction", "0.5", "--metric", "train/loss", "--mode", "min"]
     flags += ["--max-concurrent", "2", "--name", "pbt"]
-    # steps slow enough (3.2 s an epoch) that the two trials train side by side for several reports
-    # however far apart a busy machine starts them: a trial's exploit needs the other one's score
-    slow = ["loop.epochs=4", "job.step_sleep=0.4", f"run.storage_path={tmp_path}"]
+    # the two trials train side by side: an exploit needs both trials' scores while both run, and
+    # a busy machine started the second one after the first had ended (each waits for the other's
+    # first step; steps of 0.4 s)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    slow = ["loop.epochs=4", "job.step_sleep=0.4", f"job.pid_dir={pids}", "job.wait_for_pids=2"]
+    slow.append(f"run.storage_path={tmp_path}")
     rest, tuned, _ = split_flags([*TINY, *slow])
     cfg, job = load_config(toy, rest + tuned + split_flags(flags)[1])
     summary = sweep(cfg, job)

@@ -29,6 +29,9 @@ class ToyConfig(JobConfig):
     vary_shape: bool = False  # a new batch shape every step: forces XLA recompiles (guard test)
     step_sleep: float = 0.0  # seconds each training step waits: slow enough to be interrupted
     pid_dir: str = ""  # each training process writes an empty file named by its pid here
+    # at its first step a process waits (at most 300 s) until this many have written theirs: the
+    # trials of a sweep then train side by side, however far apart a busy machine starts them
+    wait_for_pids: int = 0
     oom_above: int = -1  # raise an out-of-memory error on a micro-batch of more samples than this (-1: never)
     oom_kind: str = "xla"  # which error: xla (a device buffer), xla_compile (the program), cuda
     oom_rank: int = -1  # only this rank runs out of memory (-1: every rank)
@@ -138,6 +141,10 @@ class ToyJob(Job):
             raise RuntimeError(f"fault injected by job.fail_at_step={ctx.config.job.fail_at_step}")
         if ctx.config.job.pid_dir:
             Path(ctx.config.job.pid_dir, str(os.getpid())).touch()
+            deadline = time.monotonic() + 300
+            job = ctx.config.job
+            while len(os.listdir(job.pid_dir)) < job.wait_for_pids and time.monotonic() < deadline:
+                time.sleep(0.2)
         if ctx.config.job.seen_dir:
             seen = {"pid": os.getpid(), "attempt": ATTEMPT, "time": time.time(), "step": ctx.step + 1,
                     "epoch": ctx.epoch, "index": batch["index"].tolist()}  # fmt: skip
