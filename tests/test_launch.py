@@ -343,15 +343,22 @@ logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s
 logger = logging.getLogger(__name__)
 logger.setLevel(logging.INFO)
 logger.warning("Process rank: %s, world size: %s", os.environ["RANK"], os.environ["WORLD_SIZE"])
+here = os.path.dirname(os.path.abspath(__file__))
+started, done = os.path.join(here, "rank_1.started"), os.path.join(here, "rank_0.done")
+if os.environ["RANK"] == "1":
+    open(started, "w").close()
 logger.info("training starts")
 logging.getLogger("elsewhere").info("below the root level")
 for _ in tqdm(range(40), desc="steps", mininterval=0):
     time.sleep(0.01)
-done = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_0.done")
+# the first rank to exit ends the run: rank 0 waits for rank 1's first line (a busy machine may
+# start rank 1 late), then rank 1 waits for rank 0's lines to go first
 if os.environ["RANK"] == "0":
+    while not os.path.exists(started):
+        time.sleep(0.05)
     sys.stdout.flush()
     open(done, "w").close()
-else:  # the first rank to exit ends the run: rank 0's lines go first, on a busy machine too
+else:
     while not os.path.exists(done):
         time.sleep(0.05)
 sys.exit(3)
