@@ -95,15 +95,6 @@ def test_the_notebook_page_s_set_up(tmp_path: Path) -> None:
     assert kernel["display_name"] == "raytpu" and kernel["argv"][0].startswith(str(folder / ".venv")), kernel
 
 
-#: ChatML with the assistant's turns marked for assistant_only_loss, as SmolLM2's template is ChatML
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
 def page_hub_cache(home: Path) -> None:
     """What a download of the page's Hub names leaves in the Hugging Face cache at ``home``: tiny
     models of each one's architecture (tied embeddings, as theirs are), a tokenizer with a chat
@@ -115,10 +106,11 @@ def page_hub_cache(home: Path) -> None:
 
     from raytpu.jobs.causal_lm import corpus
     from tests.test_hub import cached_repo
+    from tests.test_sft import TEMPLATE
 
     corpus.synthesize(home / "tokenizer-data", vocab_size=512)
     tokenizer = corpus.load_tokenizer(home / "tokenizer-data")
-    tokenizer.chat_template = CHATML
+    tokenizer.chat_template = TEMPLATE  # ChatML, as SmolLM2's is, its assistant turns marked
     small = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 2048,
              "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
