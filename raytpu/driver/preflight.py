@@ -399,13 +399,12 @@ def check_parallel(plan: Plan, job: Job | None) -> None:
         )
     if job is None or plan.mode == "launch" or (tensor <= 1 and not scan):
         return
-    import torch
-
+    from raytpu.job import empty_build
     from raytpu.parallel.scan import layer_stack
     from raytpu.parallel.tensor import check_tensor_parallel
     from raytpu.runtime.torch_fsdp import units_of, wrapping_units
 
-    with torch.device("meta"):
+    with empty_build():  # a pretrained architecture from its config, on the meta device
         model = job.build_model(cfg)
     if tensor > 1:
         check_tensor_parallel(model, tensor)
