@@ -55,7 +55,7 @@ def model_dir(tmp_path_factory) -> Path:
     tokenizer = corpus.load_tokenizer(root / "tokenizer-data")
     tokenizer.chat_template = TEMPLATE
     config = Qwen2Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
     torch.manual_seed(0)
     folder = root / "model"
@@ -191,6 +191,49 @@ def test_lora_under_fsdp2_keeps_a_bf16_base_and_fp32_adapters(model_dir, tmp_pat
     assert sharded and all("lora_" in key for key in sharded)
 
 
+def test_the_tensor_plan_splits_each_adapted_layer_and_its_adapter_on_the_same_side(model_dir):
+    from raytpu.parallel.tensor import tensor_plan, xla_partition_specs
+
+    cfg, job = load_config(FINETUNE, words(model_dir, model_dir, "--use_peft", "--lora_target_modules", "all-linear"))
+    model = job.build_model(cfg)
+    plan = tensor_plan(model)
+    layer = "base_model.model.model.layers.0"
+    assert plan[f"{layer}.self_attn.q_proj.base_layer"] == plan[f"{layer}.self_attn.q_proj.lora_B.default"] == "colwise"
+    assert plan[f"{layer}.mlp.down_proj.base_layer"] == plan[f"{layer}.mlp.down_proj.lora_A.default"] == "rowwise"
+    assert f"{layer}.self_attn.q_proj.lora_A.default" not in plan  # r wide: whole on each device
+    assert len(plan) == 2 * 7 * 2
+    specs = xla_partition_specs(model, "fsdp", "tensor")
+    assert specs[f"{layer}.self_attn.q_proj.lora_B.default.weight"] == ("tensor", "fsdp")
+    assert specs[f"{layer}.mlp.down_proj.lora_A.default.weight"] == ("fsdp", "tensor")
+    assert specs[f"{layer}.self_attn.q_proj.lora_A.default.weight"] == ("fsdp", None)
+
+
+def test_lora_on_a_tensor_axis_follows_one_worker(model_dir, tmp_path):
+    """Two local processes as one tensor group (each layer's base split, the adapter's matrix on the
+    split side with it, the other whole), which read the same rows, against one worker that reads
+    them alone: the same gradient norms step for step and the same adapters at the end (no dropout:
+    beside a rowwise layer each device drops from its own slice of the inputs). The base stays frozen."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train = write_rows(tmp_path / "c.jsonl", [conversation(i) for i in range(16)])
+    lora = ["--use_peft", "--lora_dropout", "0", "--lora_target_modules", "all-linear", "--learning_rate", "1e-2"]
+    common = [*words(model_dir, train, *lora), "--local", f"data.path={tmp_path / 'p'}", "--output_dir",
+              str(tmp_path / "runs"), "data.global_batch_size=4", "loop.max_steps=4"]  # fmt: skip
+    split_words = ["run.name=tensor", "scaling.num_workers=2", "sharding.mesh.tensor=2"]
+    assert cli.main(["train", FINETUNE, *common, *split_words]) == 0
+    assert cli.main(["train", FINETUNE, *common, "run.name=one"]) == 0
+    norms = {}
+    for name in ("tensor", "one"):
+        events = EventAccumulator(str(tmp_path / "runs" / name / "tensorboard")).Reload()
+        norms[name] = [event.value for event in events.Scalars("train/grad_norm")]
+    assert len(norms["one"]) == 4 and norms["tensor"] == pytest.approx(norms["one"], rel=1e-4), norms
+    split = ckpt.load_model_weights(tmp_path / "runs" / "tensor" / "checkpoint_00000004")
+    whole = ckpt.load_model_weights(tmp_path / "runs" / "one" / "checkpoint_00000004")
+    assert split.keys() == whole.keys() and all("lora_" in key for key in whole)
+    for key in whole:
+        torch.testing.assert_close(split[key], whole[key], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "rows, more, message",
     [
@@ -215,10 +258,12 @@ def test_bad_rows_and_settings_are_one_line(model_dir, tmp_path, capsys, rows, m
 
 
 @pytest.mark.xla
-def test_packed_lora_fine_tuning_under_fsdpv2_compiles_one_step(model_dir, tmp_path):
-    """On 4 XLA CPU devices under FSDPv2: packed rows (their document masks made from the rows' segments,
-    one shape), LoRA adapters on the frozen base; nothing compiles after warm-up, no CPU fallback, the
-    loss falls, and the checkpoint holds the adapters alone."""
+@pytest.mark.parametrize("mesh", [["--fsdp", "full_shard"], ["sharding.mesh.fsdp=2", "sharding.mesh.tensor=2"]])
+def test_packed_lora_fine_tuning_under_fsdpv2_compiles_one_step(model_dir, tmp_path, mesh):
+    """On 4 XLA CPU devices under FSDPv2, and as (2 fsdp x 2 tensor), each layer's base and the
+    adapter's matrix beside it annotated along the tensor axis: packed rows (their document masks made
+    from the rows' segments, one shape), LoRA adapters on the frozen base; nothing compiles after
+    warm-up, no CPU fallback, the loss falls, and the checkpoint holds the adapters alone."""
     from tests.conftest import XlaProbe
 
     train = write_rows(tmp_path / "c.jsonl", [conversation(i) for i in range(32)])
@@ -226,7 +271,7 @@ def test_packed_lora_fine_tuning_under_fsdpv2_compiles_one_step(model_dir, tmp_p
              f"data.path={tmp_path / 'p'}"]  # fmt: skip
     cfg, job = load_config(FINETUNE, flags)
     prepare_text(cfg, job)
-    run = [*flags[:-1], "job.name=causal_lm", f"data.path={tmp_path / 'p'}", "xla.spmd=true", "--fsdp", "full_shard",
+    run = [*flags[:-1], "job.name=causal_lm", f"data.path={tmp_path / 'p'}", "xla.spmd=true", *mesh,
            "data.global_batch_size=4", "loop.max_steps=8", f"run.storage_path={tmp_path / 'runs'}", "run.name=xla",
            "checkpoint.every_steps=8"]  # fmt: skip
     (report,) = XlaProbe(4, [word for word in run if word != "scaling.runtime=cpu"]).reports()

@@ -57,8 +57,3 @@ def check_lora(cfg: Any) -> None:
         )
     if cfg.xla.scan_layers:
         raise ValueError("LoRA adapters with xla.scan_layers=true are not offered: set one of them off")
-    if cfg.sharding.mesh.tensor not in (0, 1):
-        raise ValueError(
-            f"LoRA adapters with sharding.mesh.tensor={cfg.sharding.mesh.tensor} are not offered (the plan's layers "
-            "would hold adapters): set sharding.mesh.tensor=1, or drop --use_peft"
-        )

@@ -27,14 +27,36 @@ STYLES = {"colwise": 0, "rowwise": 1}
 def tensor_plan(model: nn.Module) -> dict[str, str]:
     """Module name -> ``colwise`` / ``rowwise`` for each module the model's tensor-parallel plan
     names (Transformers' ``base_model_tp_plan``, whose patterns are relative to the base model and
-    whose ``*`` stands for one part of a name: a layer's index)."""
-    config = getattr(model, "config", None)
+    whose ``*`` stands for one part of a name: a layer's index). Under peft's LoRA the plan splits
+    the layer each adapter wraps (``base_layer``) and the adapter's matrix on the same side:
+    :func:`adapter_plan`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's PeftModel
+    where = next(f"{name}." if name else "" for name, module in model.named_modules() if module is base)
+    config = getattr(base, "config", None)
     declared = dict(getattr(config, "base_model_tp_plan", None) or {})
-    prefix = getattr(model, "base_model_prefix", "")
-    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+    prefix = getattr(base, "base_model_prefix", "")
+    if prefix and isinstance(getattr(base, prefix, None), nn.Module):
         declared = {f"{prefix}.{pattern}": style for pattern, style in declared.items()}
     patterns = [(re.compile(re.escape(key).replace(r"\*", r"[^.]+") + "$"), style) for key, style in declared.items()]
-    return {name: style for name, _ in model.named_modules() for pattern, style in patterns if pattern.match(name)}
+    plan: dict[str, str] = {}
+    for name, module in base.named_modules():
+        for pattern, style in patterns:
+            if pattern.match(name):
+                plan.update(adapter_plan(f"{where}{name}", module, style))
+    return plan
+
+
+def adapter_plan(name: str, module: nn.Module, style: str) -> dict[str, str]:
+    """The plan for one layer: the layer itself, or, where a LoRA adapter wraps it, its
+    ``base_layer`` and the adapter's matrix that meets the split dimension: ``lora_B`` (out x r)
+    split by its outputs beside a colwise layer, ``lora_A`` (r x in) by its inputs beside a rowwise
+    one. The other, r wide, stays whole on every device of the group, which computes it alike, as
+    the group's devices draw the same dropout."""
+    if not hasattr(module, "base_layer"):
+        return {name: style}
+    side = "lora_B" if style == "colwise" else "lora_A"
+    adapters = getattr(module, side)
+    return {f"{name}.base_layer": style, **{f"{name}.{side}.{key}": style for key in adapters}}
 
 
 def check_tensor_parallel(model: nn.Module, tensor: int) -> dict[str, str]:
@@ -79,12 +101,15 @@ def check_tensor_parallel(model: nn.Module, tensor: int) -> dict[str, str]:
 def parallelize(model: nn.Module, mesh: Any) -> int:
     """The plan applied with DTensor on ``mesh`` (the tensor axis's one-dimensional mesh): each
     weight becomes a DTensor sharded along its dimension, the activations a layer hands on stay plain
-    tensors. Returns the layers split."""
+    tensors; a frozen weight (LoRA's base) stays frozen. Returns the layers split."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = tensor_plan(model)
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.items()})
+    for name, param in model.named_parameters():  # the styles make new parameters, which train
+        param.requires_grad_(name not in frozen)
     return len(plan)
 
 
