@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -78,10 +79,8 @@ def measure(folder: Path, workers: int, every_rank_loads: bool) -> list[float]:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(done.stderr[-3000:])
-    lines = sorted(
-        (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"]
-    )
-    return [line["peak_mb"] for line in lines]
+    found = sorted((json.loads(r) for r in re.findall(r"\{[^{}]*\}", done.stdout)), key=lambda r: r["rank"])
+    return [rank["peak_mb"] for rank in found]  # ranks' lines may share a line of torchrun's output
 
 
 def main() -> None:
@@ -94,8 +93,12 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.every_rank_loads)
         return
-    folder = Path(tempfile.mkdtemp(prefix="bench-pretrained-")) / "model"
-    parameters = write_model(folder, args.hidden, args.layers)
+    with tempfile.TemporaryDirectory(prefix="bench-pretrained-") as scratch:
+        compare(Path(scratch) / "model", args.hidden, args.layers)
+
+
+def compare(folder: Path, hidden: int, layers: int) -> None:
+    parameters = write_model(folder, hidden, layers)
     print(f"a pretrained Llama of {parameters / 1e6:.0f} M parameters ({parameters * 4 / 2**20:.0f} MB in fp32)")
     found = {}
     for every in (False, True):
