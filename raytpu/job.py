@@ -276,6 +276,17 @@ class CountsTokens(Protocol):
 
 
 @runtime_checkable
+class AveragesOverItems(Protocol):
+    """A loss that is a mean over items whose number varies from batch to batch (a fine-tuning
+    run's trained tokens: the labels not masked out). The step's loss is then the mean over all the
+    items of its batches, on every worker and micro-batch, as Transformers' Trainer takes it
+    (``average_tokens_across_devices``), not the mean of each batch's mean
+    (``raytpu.worker.loss_weights``). ``None``: this batch's items are as many as any other's."""
+
+    def loss_items(self, batch: Batch) -> torch.Tensor | None: ...
+
+
+@runtime_checkable
 class EstimatesActivations(Protocol):
     """Bytes of activations one device keeps for the backward of a step of ``batch`` samples, its
     values ``value_bytes`` wide (2 in bf16, 4 in fp32); ``checkpointed``: each unit keeps only its

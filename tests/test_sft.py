@@ -191,6 +191,33 @@ def test_lora_under_fsdp2_keeps_a_bf16_base_and_fp32_adapters(model_dir, tmp_pat
     assert sharded and all("lora_" in key for key in sharded)
 
 
+def test_a_step_s_loss_is_the_mean_over_all_its_trained_tokens_however_the_batch_is_split(model_dir, tmp_path):
+    """Conversations of uneven lengths (so batches train on uneven numbers of tokens): one worker
+    with the whole batch, two workers with half each, and one worker in two micro-batches take the
+    same steps, as Transformers' Trainer does (average_tokens_across_devices), not a mean of means."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = [conversation(i * 7) if i % 3 else {"messages": [*conversation(i)["messages"]] * 3} for i in range(16)]
+    train = write_rows(tmp_path / "c.jsonl", rows)
+    common = [*words(model_dir, train, "--learning_rate", "1e-3", "--assistant_only_loss"), "--local",
+              f"data.path={tmp_path / 'p'}", "--output_dir", str(tmp_path / "runs"), "data.global_batch_size=4",
+              "loop.max_steps=3"]  # fmt: skip
+    runs = {"whole": [], "workers": ["scaling.num_workers=2"], "micro": ["--gradient_accumulation_steps", "2"]}
+    norms = {}
+    for name, more in runs.items():
+        assert cli.main(["train", FINETUNE, *common, f"run.name={name}", *more]) == 0
+        events = EventAccumulator(str(tmp_path / "runs" / name / "tensorboard")).Reload()
+        norms[name] = [event.value for event in events.Scalars("train/grad_norm")]
+    assert len(norms["whole"]) == 3
+    for name in ("workers", "micro"):
+        assert norms[name] == pytest.approx(norms["whole"], rel=1e-4), norms
+    whole = ckpt.load_model_weights(tmp_path / "runs" / "whole" / "checkpoint_00000003")
+    for name in ("workers", "micro"):
+        weights = ckpt.load_model_weights(tmp_path / "runs" / name / "checkpoint_00000003")
+        for key in whole:
+            torch.testing.assert_close(weights[key], whole[key], rtol=1e-4, atol=1e-6)
+
+
 def test_the_tensor_plan_splits_each_adapted_layer_and_its_adapter_on_the_same_side(model_dir):
     from raytpu.parallel.tensor import tensor_plan, xla_partition_specs
 

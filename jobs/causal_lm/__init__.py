@@ -311,6 +311,11 @@ class CausalLMJob(Job):
         loss = forward(model, batch).loss
         return loss, {"loss": loss}
 
+    def loss_items(self, batch: Batch) -> torch.Tensor | None:
+        """The tokens a fine-tuning batch trains on (its labels not masked out), which vary from batch
+        to batch; a text block trains on all its tokens but the first, as many as any other's."""
+        return (batch["labels"][:, 1:] != -100).sum() if "labels" in batch else None
+
     def eval_step(self, model: nn.Module, batch: Batch, ctx: StepContext) -> Batch:
         """The model's mean loss times the tokens it predicts, summed."""
         loss = forward(model, batch).loss.float()

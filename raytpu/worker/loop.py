@@ -39,6 +39,7 @@ from raytpu.worker.cadence import Cadence, Scoreboard
 from raytpu.worker.data import WorkerData, make_worker_data
 from raytpu.worker.flops import Throughput
 from raytpu.worker.logger import RunLogger, watch_grad_norm
+from raytpu.worker.loss_weights import loss_scales, weighs_items
 from raytpu.worker.optim import EMA, EMASchedule, base_lr_at, build_optimizer, build_scheduler
 from raytpu.worker.reporting import Reporter
 from raytpu.worker.state import Checkpointer, Progress, TrainState
@@ -91,6 +92,7 @@ class Trainer:
         self.steps_per_epoch = 0
         self.total_steps = 0
         self.scoreboard = Scoreboard(cfg, job, runtime)
+        self.weighs_items = weighs_items(job, runtime, cfg.loop.grad_accum)  # raytpu.worker.loss_weights
         self._stop_reason: str | None = None
         self._restored_metrics: dict[str, float] = {}
         self._preemption_saved = False
@@ -305,21 +307,25 @@ class Trainer:
         every step on a static-graph one, where computing them in one step only would be a second graph."""
         p, cfg, rt = self.progress, self.cfg, self.runtime
         accum = cfg.loop.grad_accum
-        loss_sum = None
+        loss_sum, scales = None, None
+        if self.weighs_items:  # each micro-batch weighted by its items: the step's batches first
+            with self.clock.phase("input"):
+                batches, scales = loss_scales(self.job, rt, [next(batches) for _ in range(accum)])
         for micro in range(accum):
             with self.clock.phase("input"):
                 batch = next(batches)
             with rt.no_sync(self.model, skip=micro < accum - 1), rt.autocast():
                 loss, extra = self.job.train_step(self.model, batch, ctx)
-            rt.backward(loss / accum if accum > 1 else loss)
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            rt.backward(loss * scales[micro] if scales else loss / accum if accum > 1 else loss)
+            weighed = loss.detach() * scales[micro] if scales else loss.detach()
+            loss_sum = weighed if loss_sum is None else loss_sum + weighed
         measured = logs or rt.static_graph
         grad_norm = rt.optimizer_step(self.optimizer, self.params, cfg.loop.clip_grad_norm, measure=measured)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if self.ema is not None:
             self.ema.step(rt.unwrap(self.model), self.ema_schedule.weight(p.step), rt.static_graph, rt.device)
-        loss_mean = loss_sum.float() / accum if accum > 1 else loss_sum.float()
+        loss_mean = loss_sum.float() / (sum(scales).clamp_min(1e-12) if scales else accum)  # this worker's mean
         self.scoreboard.add_loss(loss_mean)
         self.loss_total = self.loss_total + loss_mean  # one non-finite loss keeps it non-finite: the stop check
         if measured:
@@ -339,17 +345,12 @@ class Trainer:
         warning = watch_grad_norm(values["grad_norm"], step, cfg.loop.grad_norm_warn_high, cfg.loop.grad_norm_warn_low)
         if warning:
             self._message(f"warning: {warning}")
-        scalars = {f"train/{k}": v for k, v in values.items()}
-        scalars.update({"train/lr": lr, "train/epoch": float(self.progress.epoch)})
-        scalars["scaling/workers"] = float(self.runtime.world_size)
         perf = self.throughput.scalars(step)
-        scalars.update(perf)
-        scalars.update(self.runtime.metrics())
+        scalars = {**{f"train/{k}": v for k, v in values.items()}, "train/lr": lr, **perf, **self.runtime.metrics()}
+        scalars.update({"train/epoch": float(self.progress.epoch), "scaling/workers": float(self.runtime.world_size)})
         self.logger.scalars(scalars, step)
-        postfix = {"loss": values["loss"], "lr": lr, "gnorm": values["grad_norm"]}
-        if "perf/mfu" in perf:
-            postfix["mfu"] = f"{perf['perf/mfu']:.1%}"
-        self.logger.progress(step, postfix)
+        mfu = {"mfu": f"{perf['perf/mfu']:.1%}"} if "perf/mfu" in perf else {}
+        self.logger.progress(step, {"loss": values["loss"], "lr": lr, "gnorm": values["grad_norm"], **mfu})
         for callback in self.callbacks:
             callback.on_log(self, step, values)
 
