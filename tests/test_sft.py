@@ -131,7 +131,7 @@ def test_masks_labels_positions_and_segments_of_the_prepared_rows(model_dir, tmp
     assert not mask[second, first] and mask[first, first]
 
 
-def test_lora_trains_what_it_adds_checkpoints_it_alone_and_exports_for_peft(model_dir, tmp_path):
+def test_lora_trains_what_it_adds_checkpoints_it_alone_and_exports_for_peft(model_dir, tmp_path, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -165,6 +165,11 @@ def test_lora_trains_what_it_adds_checkpoints_it_alone_and_exports_for_peft(mode
         torch.testing.assert_close(peft(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
     merged = tmp_path / "merged"
     api.export(FINETUNE, *common, "--merged", out=merged, checkpoint=str(final))
+    capsys.readouterr()
+    plain = [*words(model_dir, train), f"data.path={tmp_path / 'p'}", "--checkpoint", str(final), "--out", str(merged)]
+    assert cli.main(["export", FINETUNE, *plain]) == 2  # without the run's LoRA settings: its config is named
+    (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("raytpu: error:")]
+    assert f"export with the config its run trained with: raytpu export {final.parent / 'config.yaml'}" in error
     alone = AutoModelForCausalLM.from_pretrained(merged).eval()
     with torch.no_grad():
         torch.testing.assert_close(alone(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)

@@ -122,12 +122,24 @@ def export(cfg: Config, job: Job, checkpoint: str, out: str) -> Path:
     expected = {k: v for k, v in model.state_dict().items() if k in weights or k not in ckpt.frozen_names(model)}
     mismatch = weights_mismatch(expected, weights)
     if mismatch:
-        raise ConfigError(f"{checkpoint} does not hold weights of this config's model: {mismatch}")
+        hint = run_config(checkpoint)
+        raise ConfigError(f"{checkpoint} does not hold weights of this config's model: {mismatch}{hint}")
     ckpt.load_into(model, weights)
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     job.export(model.eval(), cfg, data_root, target)
     return target
+
+
+def run_config(checkpoint: str) -> str:
+    """Where the config the checkpoint's run trained with is (its run folder's ``config.yaml``), to
+    export with: its model settings (LoRA adapters, a model of another shape) are the weights'."""
+    written = Path(checkpoint)
+    folder = written.parent if written.is_dir() else written.parent.parent
+    trained = folder / "config.yaml"
+    if not trained.is_file():
+        return ""
+    return f"; export with the config its run trained with: raytpu export {trained} --checkpoint {checkpoint}"
 
 
 def weights_mismatch(expected: dict[str, Any], found: dict[str, Any]) -> str:
