@@ -133,7 +133,9 @@ class DDPRuntime(Runtime):
 
     @property
     def fused_optimizer(self) -> bool:
-        return self.device.type == "cuda"
+        """cuda and the CPU (where the fused kernel steps AdamW ~3.5x faster than the foreach one:
+        as Transformers' default ``adamw_torch_fused``)."""
+        return self.device.type in ("cuda", "cpu")
 
     @property
     def collective_device(self) -> torch.device:

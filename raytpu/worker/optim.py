@@ -19,7 +19,7 @@ from raytpu.errors import install_hint
 def build_optimizer(cfg: OptimSettings, model: nn.Module, fused: bool = False) -> torch.optim.Optimizer:
     """The optimizer of ``cfg`` over ``model``'s trainable parameters, weight decay kept off biases
     and normalisation weights (:func:`decay_groups`); ``fused``: Adam and AdamW in PyTorch's fused
-    kernel (cuda)."""
+    kernel (cuda, cpu)."""
     params = decay_groups(model, cfg.weight_decay)
     if cfg.name == "adafactor":
         try:
