@@ -109,7 +109,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=512)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="bench-sft-"))
+    with tempfile.TemporaryDirectory(prefix="bench-sft-") as scratch:
+        compare(Path(scratch), args)
+
+
+def compare(work: Path, args: argparse.Namespace) -> None:
     model = work / "model"
     write_model(model, args.hidden, args.layers)
     data = work / "chats.jsonl"
@@ -131,6 +135,8 @@ def main() -> None:
     theirs = json.loads(trl.stdout.strip().splitlines()[-1])
     rows = args.batch * args.steps
     print(f"raytpu (compiled): {rows / productive:.2f} rows/s ({productive:.1f} s of {args.steps} steps)")
+    spent = {name: round(seconds, 1) for name, seconds in ours["record"]["categories"].items() if seconds >= 0.05}
+    print(f"  raytpu's command, seconds by goodput category: {spent}")
     print(f"TRL SFTTrainer:    {theirs['rows'] / theirs['seconds']:.2f} rows/s ({theirs['seconds']:.1f} s)")
     ratio = (rows / productive) / (theirs["rows"] / theirs["seconds"])
 
@@ -139,6 +145,8 @@ def main() -> None:
     estimates = {"full": estimated_gb(words), "lora": estimated_gb([*words, "--use_peft", "--lora_target_modules",
                                                                     "all-linear"])}  # fmt: skip
     for name, run in (("full", full), ("lora", lora)):
+        eager = run["record"]["categories"]["productive"]
+        print(f"raytpu {name} fine-tune, eager (loop.compile=false): {rows / eager:.2f} rows/s")
         print(f"{name:>4} fine-tune: estimate {estimates[name]:.3f} GB of the step, "
               f"measured peak {run['peak_mb'] / 1024:.3f} GB of the process (its imports included)")  # fmt: skip
     print(f"ratio={ratio:.3f} lora_over_full_measured={lora['peak_mb'] / full['peak_mb']:.3f}")
