@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser(
         "tune", help="search hyper-parameters with Ray Tune (random, Optuna, ASHA, PBT), each trial a TorchTrainer"
     )
-    tune.more_help = flag_list
+    tune.more_help = tune_flag_list
     tune.add_argument("config", help="YAML config, e.g. jobs/mshnet/small.yaml")
     tune.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value overrides and the tune flags")
 
@@ -93,6 +93,13 @@ def flag_list() -> str:
     from raytpu.config.flag_list import flag_list
 
     return flag_list()
+
+
+def tune_flag_list() -> str:
+    from raytpu.config.flag_list import flag_list
+    from raytpu.driver.tune import FLAGS
+
+    return flag_list(FLAGS, "tune")
 
 
 def add_launch_parser(sub: argparse._SubParsersAction) -> None:

@@ -40,6 +40,16 @@ def test_train_help_lists_every_flag_under_its_heading_with_its_key(train_help):
     assert "KEY=VALUE" in train_help and "docs/configuration.md" in train_help
 
 
+def test_tune_help_lists_its_own_flags_first_and_its_name_once():
+    from raytpu.driver.tune import FLAGS as TUNE_FLAGS
+
+    text = cli.build_parser()._subparsers._group_actions[0].choices["tune"].format_help()
+    assert text.index("raytpu tune's flags:") < text.index("raytpu's short flags:")
+    for flag, key in TUNE_FLAGS.items():
+        assert f"\n  {flag} " in text and key in text, flag
+    assert text.count("\n  --name ") == 1 and "--name                          tune.name" in text
+
+
 @pytest.mark.parametrize(
     "typed, meant, not_meant",
     [

@@ -22,18 +22,21 @@ OVERRIDES = (
 )
 
 
-def flag_list() -> str:
-    """The text: one heading per kind of flag, a line per flag."""
+def flag_list(command_flags: Mapping[str, Alias] | None = None, command: str = "") -> str:
+    """The text: one heading per kind of flag, a line per flag; ``command_flags``: a command's own
+    flags (``raytpu tune``'s), listed first, which win over the others of the same name."""
     defaults = to_dict(Config())
+    mine = dict(command_flags or {})
     own = {
         flag: alias
         for flag, alias in COMMON_ALIASES.items()
-        if flag.startswith("--") and flag not in TRAINING_ARGUMENTS
+        if flag.startswith("--") and flag not in TRAINING_ARGUMENTS and flag not in mine
     }
     rules = {flag: alias if isinstance(alias, Flag) else Flag(key=alias) for flag, alias in TRAINING_ARGUMENTS.items()}
     used = {flag: rule for flag, rule in rules.items() if not (rule.ignored or rule.refused)}
     parts = [
         "After the config, these flags set config keys (the key each sets, with its default).",
+        *([section(f"raytpu {command}'s flags", mine, defaults)] if mine else []),
         section("raytpu's short flags", own, defaults),
         section("Transformers' TrainingArguments and run_clm.py flags, Accelerate's --mixed_precision", used, defaults),
         "accepted and ignored (a warning says why):\n"
