@@ -4,15 +4,18 @@ A pretrained Llama (``--hidden``/``--layers``: 1,024 x 12 by default, 0.3 G para
 fp32 weights) is written once as a ``save_pretrained`` folder; then, for each worker count, that
 many processes (``torchrun``, gloo) each build the causal LM job's model from it
 (``job.model_name_or_path``) and shard it as a run does (``Runtime.build`` then ``prepare_model``,
-``--fsdp full_shard``), and report their peak resident memory (``VmHWM``) once sharded. Side by
-side, the same with every rank loading the whole model (``--every-rank-loads``: what ranks did
-before they built on the meta device). Each figure is the peak less the process's resident memory
-before the build (its imports), so that it is what loading took.
+``--fsdp full_shard``), and report their peak resident memory (``VmHWM``) once sharded, and the
+peak of their anonymous memory (``RssAnon``, sampled every 5 ms): a process's resident memory also
+counts the pages of the safetensors file it maps, which the page cache holds once for all the
+processes of a machine and can give back. Side by side, the same with every rank loading the whole
+model (``--every-rank-loads``: what ranks did before they built on the meta device). Each figure is
+the peak less the process's figure before the build (its imports), so that it is what loading took.
 
     python bench/pretrained_memory.py [--hidden 1024] [--layers 12]
 
 The last line: ``max_over_one_at_4=<the largest worker's figure at 4 workers / the one worker's>
-mean_over_one_at_4=<their mean / the one worker's>``.
+mean_over_one_at_4=<their mean / the one worker's>``, of the resident and then (``anon_``) of the
+anonymous memory.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +39,25 @@ def resident_mb(field: str) -> float:
         if line.startswith(field):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+class AnonymousPeak:
+    """The largest ``RssAnon`` seen by a thread that samples it every 5 ms, less its first reading."""
+
+    def __init__(self) -> None:
+        self.start, self.peak = resident_mb("RssAnon"), 0.0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while not self.done.wait(0.005):
+            self.peak = max(self.peak, resident_mb("RssAnon"))
+
+    def stop(self) -> float:
+        self.done.set()
+        self.thread.join()
+        return max(self.peak, resident_mb("RssAnon")) - self.start
 
 
 def worker(folder: str, every_rank_loads: bool) -> None:
@@ -53,11 +76,12 @@ def worker(folder: str, every_rank_loads: bool) -> None:
     )
     cfg = resolve_config(cfg, "cpu", "fp32")
     runtime = make_runtime("cpu", "fp32", world, rank, rank, sharding=cfg.sharding)
-    before = resident_mb("VmRSS")
+    before, anonymous = resident_mb("VmRSS"), AnonymousPeak()
     model = job.build_model(cfg) if every_rank_loads else runtime.build(lambda: job.build_model(cfg))
     runtime.prepare_model(model)
     dist.barrier()
-    print(json.dumps({"rank": rank, "peak_mb": resident_mb("VmHWM") - before}), flush=True)
+    peaks = {"peak_mb": resident_mb("VmHWM") - before, "anon_peak_mb": anonymous.stop()}
+    print(json.dumps({"rank": rank, **peaks}), flush=True)
     dist.destroy_process_group()
 
 
@@ -72,7 +96,7 @@ def write_model(folder: Path, hidden: int, layers: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def measure(folder: Path, workers: int, every_rank_loads: bool) -> list[float]:
+def measure(folder: Path, workers: int, every_rank_loads: bool) -> list[dict]:
     command = [str(BIN / "torchrun"), "--nproc_per_node", str(workers), __file__, "--worker", str(folder)]
     command += ["--every-rank-loads"] if every_rank_loads else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "USE_TORCH_XLA": "0", "PYTHONPATH": str(ROOT)}
@@ -80,7 +104,7 @@ def measure(folder: Path, workers: int, every_rank_loads: bool) -> list[float]:
     if done.returncode:
         raise SystemExit(done.stderr[-3000:])
     found = sorted((json.loads(r) for r in re.findall(r"\{[^{}]*\}", done.stdout)), key=lambda r: r["rank"])
-    return [rank["peak_mb"] for rank in found]  # ranks' lines may share a line of torchrun's output
+    return found  # ranks' lines may share a line of torchrun's output
 
 
 def main() -> None:
@@ -103,12 +127,18 @@ def compare(folder: Path, hidden: int, layers: int) -> None:
     found = {}
     for every in (False, True):
         for workers in (1, 2, 4):
-            found[(every, workers)] = measure(folder, workers, every)
+            found[(every, workers)] = ranks = measure(folder, workers, every)
             how = "every rank loads" if every else "rank 0 loads"
-            print(f"{how:>16}, {workers} worker(s): peak MB per worker {[round(v) for v in found[(every, workers)]]}")
-    one = found[(False, 1)][0]
-    at_four = found[(False, 4)]
-    print(f"max_over_one_at_4={max(at_four) / one:.3f} mean_over_one_at_4={sum(at_four) / len(at_four) / one:.3f}")
+            resident = [round(rank["peak_mb"]) for rank in ranks]
+            anonymous = [round(rank["anon_peak_mb"]) for rank in ranks]
+            print(f"{how:>16}, {workers} worker(s): peak MB per worker {resident}, of anonymous memory {anonymous}")
+    words = []
+    for prefix, key in (("", "peak_mb"), ("anon_", "anon_peak_mb")):
+        one = found[(False, 1)][0][key]
+        at_four = [rank[key] for rank in found[(False, 4)]]
+        words += [f"{prefix}max_over_one_at_4={max(at_four) / one:.3f}"]
+        words += [f"{prefix}mean_over_one_at_4={sum(at_four) / len(at_four) / one:.3f}"]
+    print(" ".join(words))
 
 
 if __name__ == "__main__":
