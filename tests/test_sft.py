@@ -275,7 +275,8 @@ def test_lora_on_a_tensor_axis_follows_one_worker(model_dir, tmp_path):
         ([{"prompt": "2 + 2 ="}], [], "a row with a prompt needs a completion"),
         ([conversation(1)], ["--use_peft", "--lora_target_modules", "nothing_like_it"],
          r"job.lora_target_modules=\['nothing_like_it'\] matches no module of the model; its linear layers: .*q_proj"),
-        ([conversation(1)], ["--use_peft", "xla.scan_layers=true"], "LoRA adapters with xla.scan_layers=true"),
+        ([conversation(1)], ["--use_peft", "--lora_dropout", "1.5"], r"job.lora_dropout=1.5 \(in \[0, 1\)\)"),
+        ([conversation(1)], ["--use_peft", "xla.scan_layers=true"], "set --lora_dropout 0, or xla.scan_layers=false"),
         ([conversation(1)], ["--streaming"], "train on the torch path: drop --streaming"),
     ],
 )  # fmt: skip
@@ -311,6 +312,31 @@ def test_packed_lora_fine_tuning_under_fsdpv2_compiles_one_step(model_dir, tmp_p
     assert report["losses"][-1] < report["losses"][0], report["losses"]
     weights = ckpt.load_model_weights(tmp_path / "runs" / "xla" / "checkpoint_00000008")
     assert weights and all("lora_" in key for key in weights), sorted(weights)[:4]
+
+
+@pytest.mark.xla
+def test_lora_on_scanned_layers_trains_as_on_unrolled_ones(model_dir, tmp_path):
+    """On one XLA CPU device, the decoder layers scanned (their stacked base frozen, their stacked
+    adapters training, the rows' document mask carried through the scan) against unrolled: the same
+    losses, one compile; the checkpoint holds the adapters alone. (LoRA's dropout in a scan is refused:
+    torch_xla's scan crashed the process on it.)"""
+    from tests.conftest import XlaProbe
+
+    train = write_rows(tmp_path / "c.jsonl", [conversation(i) for i in range(32)])
+    flags = [*words(model_dir, train, "--use_peft", "--learning_rate", "1e-2"), f"data.path={tmp_path / 'p'}"]
+    prepare_text(*load_config(FINETUNE, flags))
+    run = [word for word in flags if word != "scaling.runtime=cpu"]
+    run += ["job.name=causal_lm", "data.global_batch_size=4", "loop.max_steps=6", f"run.storage_path={tmp_path}"]
+    run += ["--lora_dropout", "0"]
+    unrolled, scanned = XlaProbe(
+        1, [*run, "run.name=unrolled"], [*run, "xla.scan_layers=true", "run.name=scanned", "checkpoint.every_steps=6"]
+    ).reports()
+    assert scanned["losses"] == pytest.approx(unrolled["losses"], rel=1e-4), (scanned, unrolled)
+    assert scanned["losses"][-1] < scanned["losses"][0]
+    assert scanned["compiles_after_warmup"] == 0 and scanned["fallbacks_after_warmup"] == [], scanned
+    weights = ckpt.load_model_weights(tmp_path / "scanned" / "checkpoint_00000006")
+    assert weights and all("lora_" in key for key in weights), sorted(weights)[:4]
+    assert len(weights) == 2 * 2 * 2  # 2 layers x (q_proj, v_proj: peft's default for Qwen2) x (lora_A, lora_B)
 
 
 def test_each_evaluation_continues_held_out_prompts_through_the_template(model_dir, tmp_path):

@@ -13,9 +13,10 @@ Transformers' decoders run their layers) gets one callable that scans all of the
 the model still names every layer's weights as the unrolled model does (``model.layers.3.mlp...``),
 so checkpoints, exports and ``raytpu test`` never see the stack.
 
-Every floating-point tensor a layer receives besides its hidden states (the rotary position
-embeddings) travels with them through the scan; every other argument (positions, flags) is the
-same for each layer.
+Every tensor a layer receives besides its hidden states (the rotary position embeddings, a
+fine-tuning batch's document mask, positions) travels with them through the scan, as floating
+point (the carry is differentiable): a mask of B x T x T costs 4 bytes an entry there, and its
+gradient as much. Every other argument (flags) is the same for each layer.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def scan_in_place(stack: nn.ModuleList, recompute: bool) -> dict[str, str]:
     template = copy.deepcopy(layers[0])
     weights = [dict(layer.named_parameters()) for layer in layers]
     for name in names:
-        stacked = nn.Parameter(torch.stack([weight[name].detach() for weight in weights]))
+        trains = weights[0][name].requires_grad  # a LoRA run's frozen base stays frozen
+        stacked = nn.Parameter(torch.stack([weight[name].detach() for weight in weights]), requires_grad=trains)
         stacked.no_weight_decay = not decays(layers[0], name)  # raytpu.worker.optim's groups keep the rule
         stack.register_parameter(STACKED + name.replace(".", "__"), stacked)
     for layer in layers:
@@ -117,6 +119,19 @@ def decays(layer: nn.Module, name: str) -> bool:
     owner = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
     normalisation = isinstance(owner, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or type(owner).__name__.endswith("Norm")
     return not (normalisation or "bias" in name)
+
+
+def unstacked_training(model: nn.Module) -> dict[str, bool]:
+    """Whether each layer weight of the model's scanned layer lists trains, under the name a state
+    dict gives it (``model.layers.3.mlp.up_proj.weight``): a state dict holds copies of the stack's
+    slices, which say nothing of it."""
+    found: dict[str, bool] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, ScannedLayers):
+            where = prefix.replace("_orig_module.", "") + "." if prefix else ""  # FSDPv2's wrapper, hidden
+            for name, stacked in module.stacked().items():
+                found.update({f"{where}{index}.{name}": stacked.requires_grad for index in range(len(module))})
+    return found
 
 
 def unstack_state(module: ScannedLayers, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -145,18 +160,25 @@ class LayerScan:
         from torch_xla.experimental.scan import scan
 
         leaves, spec = tree_flatten((args, kwargs))
-        carried = [index for index, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.is_floating_point()]
+        carried = [index for index, leaf in enumerate(leaves) if torch.is_tensor(leaf)]
         template = self.stack.template
 
         def one_layer(carry: tuple[torch.Tensor, ...], weights: dict[str, torch.Tensor]) -> tuple[Any, None]:
             hidden, *tensors = carry
             now = list(leaves)
             for index, tensor in zip(carried, tensors, strict=True):
-                now[index] = tensor
+                now[index] = tensor.to(leaves[index].dtype)  # a mask or positions, as the layers take them
             call_args, call_kwargs = tree_unflatten(now, spec)
             out = torch.func.functional_call(template, weights, (hidden, *call_args), call_kwargs, strict=True)
             return (out[0] if isinstance(out, tuple) else out, *tensors), None
 
-        init = (hidden, *(leaves[index] for index in carried))
+        # the carry is differentiable: a mask (bool) or positions (integers) travel as floats
+        init = (hidden, *(as_carried(leaves[index]) for index in carried))
         final, _ = scan(one_layer, init, self.stack.stacked(), partition_fn=self.stack.partition)
         return final[0]
+
+
+def as_carried(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor the layers take, as the scan carries it: floating point (a fine-tuning batch's
+    document mask is bool: one captured from outside the scanned function fails its tracing)."""
+    return tensor if tensor.is_floating_point() else tensor.float()

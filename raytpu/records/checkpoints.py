@@ -190,12 +190,15 @@ def frozen_names(model: nn.Module) -> set[str]:
     """The names of ``model``'s parameters that do not train (a LoRA run's base), where some do, as
     its state dict names them (a wrapper's own prefixes hidden, as in a checkpoint). A model that
     trains every parameter has none, found without asking for its state dict (a job's may be slow)."""
+    from raytpu.parallel.scan import unstacked_training
+
     if all(param.requires_grad for param in model.parameters()):
         return set()
     state = model.state_dict(keep_vars=True)
-    named = [(name, value) for name, value in state.items() if isinstance(value, nn.Parameter)]
-    frozen = {name for name, param in named if not param.requires_grad}
-    return frozen if len(frozen) < len(named) else set()
+    trains = {name: value.requires_grad for name, value in state.items() if isinstance(value, nn.Parameter)}
+    trains.update(unstacked_training(model))  # scanned layers' weights, stacked (xla.scan_layers)
+    frozen = {name for name, training in trains.items() if not training}
+    return frozen if len(frozen) < len(trains) else set()
 
 
 def trained_state(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:
