@@ -281,7 +281,7 @@ class AveragesOverItems(Protocol):
     run's trained tokens: the labels not masked out). The step's loss is then the mean over all the
     items of its batches, on every worker and micro-batch, as Transformers' Trainer takes it
     (``average_tokens_across_devices``), not the mean of each batch's mean
-    (``raytpu.worker.loss_weights``). ``None``: this batch's items are as many as any other's."""
+    (``raytpu.worker.optim``). ``None``: this batch's items are as many as any other's."""
 
     def loss_items(self, batch: Batch) -> torch.Tensor | None: ...
 

@@ -35,11 +35,11 @@ from raytpu.records.resizes import Regrow
 from raytpu.records.trackers import Trackers, open_trackers
 from raytpu.runtime.base import Runtime
 from raytpu.storage.run_folder import RunFolder, local_copy
+from raytpu.worker import optim
 from raytpu.worker.cadence import Cadence, Scoreboard
 from raytpu.worker.data import WorkerData, make_worker_data
 from raytpu.worker.flops import Throughput
 from raytpu.worker.logger import RunLogger, watch_grad_norm
-from raytpu.worker.loss_weights import loss_scales, weighs_items
 from raytpu.worker.optim import EMA, EMASchedule, base_lr_at, build_optimizer, build_scheduler
 from raytpu.worker.reporting import Reporter
 from raytpu.worker.state import Checkpointer, Progress, TrainState
@@ -92,7 +92,7 @@ class Trainer:
         self.steps_per_epoch = 0
         self.total_steps = 0
         self.scoreboard = Scoreboard(cfg, job, runtime)
-        self.weighs_items = weighs_items(job, runtime, cfg.loop.grad_accum)  # raytpu.worker.loss_weights
+        self.weighs_items = optim.weighs_items(job, runtime, cfg.loop.grad_accum)
         self._stop_reason: str | None = None
         self._restored_metrics: dict[str, float] = {}
         self._preemption_saved = False
@@ -310,7 +310,7 @@ class Trainer:
         loss_sum, scales = None, None
         if self.weighs_items:  # each micro-batch weighted by its items: the step's batches first
             with self.clock.phase("input"):
-                batches, scales = loss_scales(self.job, rt, [next(batches) for _ in range(accum)])
+                batches, scales = optim.loss_scales(self.job, rt, [next(batches) for _ in range(accum)])
         for micro in range(accum):
             with self.clock.phase("input"):
                 batch = next(batches)
