@@ -51,6 +51,18 @@ def test_the_stacked_layers_keep_the_unrolled_names_in_and_out_of_a_state_dict()
         stack[:2]
 
 
+def test_a_model_that_calls_its_layers_one_by_one_is_refused_in_one_line():
+    """GPT-2 loops ``for block in self.h``: the emptied layers say so instead of failing on a missing weight."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from raytpu.errors import ConfigError
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16))
+    scan_in_place(layer_stack(model, list(model.transformer.h)), recompute=False)
+    with pytest.raises(ConfigError, match="calls its GPT2Block layers one by one.*set xla.scan_layers=false"):
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+
+
 def test_a_stacked_norm_keeps_out_of_weight_decay_as_the_unrolled_ones():
     scanned = tiny_llama()
     scan_in_place(layer_stack(scanned, list(scanned.model.layers)), recompute=False)

@@ -22,6 +22,7 @@ gradient as much. Every other argument (flags) is the same for each layer.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -104,6 +105,7 @@ def scan_in_place(stack: nn.ModuleList, recompute: bool) -> dict[str, str]:
     for layer in layers:
         for module in layer.modules():
             module._parameters.clear()
+        layer.forward = functools.partial(runs_one_by_one, type(layer).__name__)  # only a scan runs them now
     stack.__class__ = ScannedLayers
     object.__setattr__(stack, "template", template)  # not a child: its weights are the stack's
     stack.names = names
@@ -111,6 +113,15 @@ def scan_in_place(stack: nn.ModuleList, recompute: bool) -> dict[str, str]:
     stack.register_state_dict_post_hook(unstack_state)
     stack.register_load_state_dict_pre_hook(stack_state)
     return {STACKED + name.replace(".", "__"): f"0.{name}" for name in names}
+
+
+def runs_one_by_one(layer_class: str, *args: Any, **kwargs: Any) -> Any:
+    """A scanned layer called by itself: the model loops over its layers one by one (GPT-2's ``for
+    block in self.h``) instead of over a slice of the list, which is what a scan replaces."""
+    raise ConfigError(
+        f"xla.scan_layers: this model calls its {layer_class} layers one by one, not as a slice of their list, "
+        "so a scan cannot run them: set xla.scan_layers=false"
+    )
 
 
 def decays(layer: nn.Module, name: str) -> bool:
