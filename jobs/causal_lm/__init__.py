@@ -320,7 +320,7 @@ class CausalLMJob(Job):
         """The model's mean loss times the tokens it predicts, summed."""
         loss = forward(model, batch).loss.float()
         if "labels" in batch:  # the labels the loss takes: each predicts from the token before it
-            predicted = (batch["labels"][:, 1:] != -100).sum().to(loss.dtype)
+            predicted = self.loss_items(batch).to(loss.dtype)
         else:  # every block predicts as many
             ids = batch["input_ids"]
             predicted = torch.full_like(loss, ids.shape[0] * (ids.shape[1] - 1))
