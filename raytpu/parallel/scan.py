@@ -136,10 +136,12 @@ def unstacked_training(model: nn.Module) -> dict[str, bool]:
     """Whether each layer weight of the model's scanned layer lists trains, under the name a state
     dict gives it (``model.layers.3.mlp.up_proj.weight``): a state dict holds copies of the stack's
     slices, which say nothing of it."""
+    from raytpu.runtime.torch_fsdp import WRAPPED
+
     found: dict[str, bool] = {}
     for prefix, module in model.named_modules():
         if isinstance(module, ScannedLayers):
-            where = prefix.replace("_orig_module.", "") + "." if prefix else ""  # FSDPv2's wrapper, hidden
+            where = f"{prefix}.".replace(WRAPPED, "") if prefix else ""  # FSDPv2's wrapper, hidden
             for name, stacked in module.stacked().items():
                 found.update({f"{where}{index}.{name}": stacked.requires_grad for index in range(len(module))})
     return found
