@@ -392,7 +392,7 @@ def test_pbt_has_a_lagging_trial_go_on_from_the_better_one_s_checkpoint_with_a_p
     cfg, job = load_config(toy, rest + tuned + split_flags(flags)[1])
     summary = sweep(cfg, job)
 
-    rows = {row["optim.lr"]: row for row in read_rows(tmp_path / "pbt" / "results.csv")}
+    rows = {row["trial"]: row for row in read_rows(tmp_path / "pbt" / "results.csv")}
     assert all(row["status"] == "done" and row["reports"] == "4" for row in rows.values()), rows
     runs = tmp_path / "pbt" / "runs"
     exploits = {path.parent.name: json.loads(path.read_text()) for path in runs.glob("*/exploits.json")}
@@ -415,6 +415,27 @@ def test_pbt_has_a_lagging_trial_go_on_from_the_better_one_s_checkpoint_with_a_p
     assert table["exploits"].startswith(f"{len(exploits[trial])}, last from ")
     best = load_config(summary["best_config"])[0]
     assert best.optim.lr in (0.05, 1e-6) and all(int(step) > 0 for step in best.optim.lr_changes)
+
+
+def test_an_exploit_whose_checkpoint_the_better_trial_has_deleted_since_takes_its_oldest_newer_one(tmp_path):
+    """Tune chose the better trial's step-24 checkpoint, but the lagging trial restarted late and
+    the better one's retention has deleted it: the copy is of its step-32 one (not of its newest,
+    40), and says so; with no newer one left the copy fails on the missing folder."""
+    from raytpu.driver.trial import copy_surviving
+    from raytpu.storage.run_folder import RunFolder
+
+    better, lagging = RunFolder(tmp_path / "t0"), RunFolder(tmp_path / "t1")
+    for step in (32, 40):
+        better.write_text(f"checkpoint_{step:08d}/meta.json", json.dumps({"step": step}))
+    pointer = {"trial": "t0", "checkpoint": better.uri("checkpoint_00000024"), "step": 24}
+    taken, copy = copy_surviving(pointer, better, lagging, 1)
+    assert taken == {"trial": "t0", "checkpoint": better.uri("checkpoint_00000032"), "step": 32}
+    assert copy == lagging.uri("exploited/1-checkpoint_00000032")
+    assert json.loads(Path(copy, "meta.json").read_text())["step"] == 32
+    assert lagging.children("exploited") == ["1-checkpoint_00000032"]
+    with pytest.raises(FileNotFoundError):
+        copy_surviving({**pointer, "checkpoint": better.uri("checkpoint_00000048")}, better, lagging, 2)
+    assert lagging.children("exploited") == ["1-checkpoint_00000032"]
 
 
 def test_a_pbt_winner_s_schedule_comes_from_its_newest_state_its_own_or_the_one_it_took_last(tmp_path):

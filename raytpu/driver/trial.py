@@ -90,8 +90,8 @@ def exploited(trial_id: str, runs_dir: str, values: dict[str, Any]) -> dict[str,
         return {}
     folder = RunFolder(join(runs_dir, trial_id))
     exploits = json.loads(folder.read_text(EXPLOITS) or "[]")
-    copy = folder.uri("exploited", f"{len(exploits) + 1}-{Path(pointer['checkpoint']).name}")
-    copy_folder(pointer["checkpoint"], copy)
+    source = RunFolder(pointer["checkpoint"].rsplit("/", 1)[0])
+    pointer, copy = copy_surviving(pointer, source, folder, len(exploits) + 1)
     for name in [*folder.children(), RAY_TRAIN_STATE]:  # its own line of checkpoints ends here
         if CHECKPOINT_NAME.match(name) or name == RAY_TRAIN_STATE:
             folder.remove(name)
@@ -99,6 +99,26 @@ def exploited(trial_id: str, runs_dir: str, values: dict[str, Any]) -> dict[str,
     exploits[-1]["values"] = values
     folder.write_text(EXPLOITS, json.dumps(exploits, indent=2))
     return {"checkpoint.resume_from": copy}
+
+
+def copy_surviving(pointer: dict[str, Any], source: RunFolder, into: RunFolder, number: int) -> tuple[dict, str]:
+    """The checkpoint of the trial ``source`` that ``pointer`` names, copied into ``into`` as its
+    ``number``-th exploit; where the source's retention has deleted it since Tune chose it (this
+    trial's restart came late on a busy machine while the source trained on), its oldest newer
+    checkpoint instead: the same trial's state a few steps on. The pointer of what was copied, and
+    where the copy is."""
+    name = Path(pointer["checkpoint"]).name
+    while True:
+        copy = f"exploited/{number}-{name}"
+        try:
+            copy_folder(source.uri(name), into.uri(copy))
+            return {**pointer, "checkpoint": source.uri(name), "step": int(name.rsplit("_", 1)[1])}, into.uri(copy)
+        except FileNotFoundError:
+            into.remove(copy)
+            newer = [child for child in source.children() if CHECKPOINT_NAME.match(child) and child > name]
+            if not newer:
+                raise
+            name = newer[0]
 
 
 class TrialReports(UserCallback):

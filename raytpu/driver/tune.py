@@ -16,6 +16,7 @@ import dataclasses
 import io
 import json
 import math
+import re
 import sys
 import threading
 import time
@@ -355,6 +356,7 @@ def make_tuner(sweep: Sweep, trainable: Any, concurrent: int) -> Any:
             search_alg=search_algorithm(sweep),
             scheduler=trial_scheduler(sweep),
             max_concurrent_trials=concurrent,
+            trial_dirname_creator=trial_dirname,
         ),
         run_config=tune.RunConfig(
             name=sweep.name,
@@ -369,7 +371,8 @@ def finish(sweep: Sweep, results: Any) -> dict[str, Any]:
     rows = []
     for result in results:
         status = "ERROR" if result.error else "TERMINATED"
-        rows.append(sweep.row(trial_id_of(result), dict(result.config), result.metrics, status))
+        trial_id = trial_id_of(result)
+        rows.append(sweep.row(trial_id, values_of(sweep, trial_id, result), result.metrics, status))
     print("\n" + format_table(rows, sweep.columns), flush=True)
     folder = RunFolder(sweep.dir)
     folder.write_text("results.csv", csv_text(rows, sweep.columns))
@@ -389,6 +392,8 @@ def finish(sweep: Sweep, results: Any) -> dict[str, Any]:
     return summary
 
 
+#: a Tune trial's id (``50abb_00001``)
+TRIAL_ID = re.compile(r"[0-9a-f]+_\d+")
 #: a trial's status in the sweep's table -> its run's outcome in summary.json
 TRIAL_OUTCOMES = {"done": "completed", "stopped early": "stopped"}
 
@@ -413,8 +418,25 @@ def write_trial_summary(sweep: Sweep, row: dict[str, Any]) -> None:
     run_summary.write(folder, outcome, ended, {**record, **goodput.breakdown(record)})
 
 
+def trial_dirname(trial: Any) -> str:
+    """A trial's folder of Tune's records: its id, which names its raytpu run folder too."""
+    return trial.trial_id
+
+
 def trial_id_of(result: Any) -> str:
-    return str((result.metrics or {}).get("trial_id") or Path(result.path).name)
+    """The trial whose result this is: its folder's name (:func:`trial_dirname`). Its last result's
+    ``trial_id`` is another trial's when it ended after an exploit and before a report of its own
+    (Tune restores a trial's last result with the checkpoint it takes); that of a sweep begun
+    before its folders were named by id."""
+    name = Path(result.path).name
+    return name if TRIAL_ID.fullmatch(name) else str((result.metrics or {}).get("trial_id") or name)
+
+
+def values_of(sweep: Sweep, trial_id: str, result: Any) -> dict[str, Any]:
+    """The searched values a trial last trained with: those of its last exploit (PBT's), when it had
+    one, since its last result may be the one it took with the other trial's checkpoint."""
+    taken = json.loads(RunFolder(join(sweep.dir, "runs", trial_id)).read_text(EXPLOITS) or "[]")
+    return {**(result.config or {}), **(taken[-1]["values"] if taken else {})}
 
 
 def csv_text(rows: list[dict[str, Any]], columns: list[str]) -> str:
