@@ -247,6 +247,21 @@ def all_cpus_free(ray, wait_s: float = 30) -> bool:
 
 
 @pytest.fixture(scope="module")
+def tune_ray(ray_session):
+    """The session's Ray restarted with its dashboard for this module's sweeps: Ray Train removes
+    the worker-group reservation of a trial that Tune stops or pauses (ASHA, PBT) once Ray's state
+    API, which the dashboard serves, says the trial's controller is gone; without it each stopped
+    trial kept its CPUs, and a PBT sweep's restarted trials waited for them for ever."""
+    from raytpu.cluster.connect import connect
+
+    ray_session.shutdown()
+    connect("local", dashboard=True)
+    yield ray_session
+    ray_session.shutdown()
+    connect("local", dashboard=False)
+
+
+@pytest.fixture(scope="module")
 def toy(tmp_path_factory) -> Path:
     """The toy job's config (no dropout: an untrained trial's loss is its initial model's) and data folder."""
     root = tmp_path_factory.mktemp("tune-toy")
@@ -255,7 +270,7 @@ def toy(tmp_path_factory) -> Path:
     return config
 
 
-def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_session, tmp_path, toy):
+def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(tune_ray, tmp_path, toy):
     """An lr=1e-12 trial's training loss is its initial model's loss; the trained trials (grid
     order: they run first, 2 at a time) recorded lower losses at the first rung, so ASHA
     must stop the untrained trial there, whatever order the rest of the sweep takes."""
@@ -267,7 +282,7 @@ def test_asha_sweep_stops_bad_trials_and_writes_a_runnable_best_config(ray_sessi
     rest, tuned, _ = split_flags(TINY + [f"run.storage_path={tmp_path}", *flags])
     cfg, job = load_config(toy, rest + tuned)
     summary = sweep(cfg, job)
-    assert all_cpus_free(ray_session), ray_session.available_resources()  # no trial's reservation left
+    assert all_cpus_free(tune_ray), tune_ray.available_resources()  # no trial's reservation left
 
     rows = read_rows(tmp_path / "asha" / "results.csv")
     assert len(rows) == 3
@@ -305,7 +320,7 @@ def crashes(output: str) -> list[str]:
     return [block for block in output.split("Traceback (most recent call last):")[1:] if "sigterm_handler" not in block]
 
 
-def test_an_interrupted_optuna_sweep_resumes_its_search_without_rerunning_finished_trials(ray_session, tmp_path, toy):
+def test_an_interrupted_optuna_sweep_resumes_its_search_without_rerunning_finished_trials(tune_ray, tmp_path, toy):
     """A TPE sweep of 3 trials in an S3 bucket (2 drawn at random, then 1 by TPE): Ctrl-C after the
     second trial finished, then the same command: the finished trials keep their files untouched,
     and every trial's values are those of one uninterrupted search (Optuna's TPE, as raytpu seeds
@@ -319,7 +334,7 @@ def test_an_interrupted_optuna_sweep_resumes_its_search_without_rerunning_finish
     from tests.stores import BUCKET
 
     storage = f"s3://{BUCKET}/tune-{tmp_path.name}"
-    address = ray_session.get_runtime_context().gcs_address
+    address = tune_ray.get_runtime_context().gcs_address
     command = [sys.executable, "-m", "raytpu.cli", "tune", str(toy), *TINY, "loop.epochs=1"]
     command += [f"run.storage_path={storage}", "--address", address]
     command += ["--search", "optim.lr=loguniform(1e-4, 0.1)", "--search-alg", "optuna", "--samples", "3"]
@@ -369,7 +384,7 @@ def test_an_interrupted_optuna_sweep_resumes_its_search_without_rerunning_finish
     assert events.Scalars("train/loss"), events.Tags()
 
 
-def test_pbt_has_a_lagging_trial_go_on_from_the_better_one_s_checkpoint_with_a_perturbed_lr(ray_session, tmp_path, toy):
+def test_pbt_has_a_lagging_trial_go_on_from_the_better_one_s_checkpoint_with_a_perturbed_lr(tune_ray, tmp_path, toy):
     """Two trials, lr 0.05 and 1e-6: at a perturbation the lagging one takes the other's latest
     checkpoint (a copy in its own folder) with a perturbed lr and goes on from its step; the
     exploit is in its folder and the table, and its checkpoints carry the lr it trained with at each
