@@ -12,7 +12,13 @@ conversations, assistant-only loss, packed best-fit into rows of ``--max-length`
   each in a process of its own: the estimate (``raytpu doctor``) and the peak resident memory of the
   training process, side by side.
 
+With ``--xla``, instead: on the XLA CPU device, one epoch of the same conversations packed (several
+to a row, a document mask made from the rows' segments) and padded (one to a row), both in rows of
+``--max-length`` (one shape): conversations a second, the compilation time and the steps of each,
+side by side. ``packed_over_padded`` = packed / padded conversations a second.
+
     python bench/sft.py [--hidden 512] [--layers 8] [--conversations 512] [--steps 20]
+    python bench/sft.py --xla [--hidden 256] [--layers 4] [--conversations 128]
 """
 
 from __future__ import annotations
@@ -79,11 +85,12 @@ PEAK = "import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).re
        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)"  # fmt: skip
 
 
-def raytpu_run(work: Path, words: list[str], name: str) -> dict:
+def raytpu_run(work: Path, words: list[str], name: str, env: dict[str, str] | None = None) -> dict:
     """``raytpu train --local`` in a process of its own; its goodput record and the peak resident
     memory of its processes (the largest: the training process)."""
     command = [str(BIN / "raytpu"), "train", "jobs/causal_lm/finetune.yaml", "--local", *words, f"run.name={name}"]
-    done = subprocess.run([sys.executable, "-c", PEAK, *command], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", PEAK, *command], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})  # fmt: skip
     if done.returncode:
         raise SystemExit(done.stderr[-3000:])
     record = json.loads((work / "runs" / name / "goodput.json").read_text())
@@ -108,26 +115,47 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--xla", action="store_true", help="packed against padded rows on the XLA CPU device")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-sft-") as scratch:
-        compare(Path(scratch), args)
+        (packed_or_padded if args.xla else compare)(Path(scratch), args)
 
 
-def compare(work: Path, args: argparse.Namespace) -> None:
+def bench_words(work: Path, args: argparse.Namespace) -> list[str]:
+    """The model and conversations of ``args`` written in ``work``; the flags both sides train with."""
     model = work / "model"
     write_model(model, args.hidden, args.layers)
     data = work / "chats.jsonl"
     data.write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(args.conversations)))
-    words = ["--model_name_or_path", str(model), "--train_file", str(data), "--validation_file", str(data),
-             "--assistant_only_loss", "--packing", "--max_length", str(args.max_length), "scaling.runtime=cpu",
-             "scaling.num_workers=1", "scaling.cpus_per_worker=2", "scaling.precision=fp32", "job.sample_tokens=0",
-             f"data.global_batch_size={args.batch}", f"loop.max_steps={args.steps}", "logging.progress_bar=false",
-             "--learning_rate", "1e-4", "--lr_scheduler_type", "constant", f"data.path={work / 'prepared'}",
-             f"run.storage_path={work / 'runs'}", "loop.eval_every_steps=0", "checkpoint.every_steps=0",
-             "data.max_eval_samples=8"]  # fmt: skip
+    return ["--model_name_or_path", str(model), "--train_file", str(data), "--validation_file", str(data),
+            "--assistant_only_loss", "--max_length", str(args.max_length), "scaling.num_workers=1",
+            "scaling.cpus_per_worker=2", "scaling.precision=fp32", "job.sample_tokens=0",
+            f"data.global_batch_size={args.batch}", "logging.progress_bar=false", "--learning_rate", "1e-4",
+            "--lr_scheduler_type", "constant", f"run.storage_path={work / 'runs'}", "loop.eval_every_steps=0",
+            "checkpoint.every_steps=0", "data.max_eval_samples=8"]  # fmt: skip
+
+
+def packed_or_padded(work: Path, args: argparse.Namespace) -> None:
+    """One epoch of the conversations on the XLA CPU device, packed and padded, side by side."""
+    words = [*bench_words(work, args), "scaling.runtime=xla", "loop.epochs=1"]
+    rates = {}
+    for name, extra in (("packed", ["--packing"]), ("padded", [])):
+        run = raytpu_run(work, [*words, *extra, f"data.path={work / name}"], name, env={"PJRT_DEVICE": "CPU"})
+        attempt = run["record"]["commands"][-1]["attempts"][-1]
+        spent = run["record"]["categories"]
+        rates[name] = args.conversations / spent["productive"]
+        print(f"{name}: {rates[name]:.2f} conversations/s ({attempt['steps']} steps of {args.batch} rows in "
+              f"{spent['productive']:.1f} s), compilation {spent['compilation']:.1f} s")  # fmt: skip
+    print(f"packed_over_padded={rates['packed'] / rates['padded']:.3f}")
+
+
+def compare(work: Path, args: argparse.Namespace) -> None:
+    words = [*bench_words(work, args), "--packing", "scaling.runtime=cpu", f"loop.max_steps={args.steps}",
+             f"data.path={work / 'prepared'}"]  # fmt: skip
     ours = raytpu_run(work, [*words, "loop.compile=true"], "compiled")
     productive = ours["record"]["categories"]["productive"]
     env = {**os.environ, "USE_TORCH_XLA": "0", "PJRT_DEVICE": ""}
+    model, data = work / "model", work / "chats.jsonl"
     trl = subprocess.run([sys.executable, "-c", TRL, str(model), str(data), str(work / "trl"), str(args.batch),
                           str(args.max_length), str(args.steps)], capture_output=True, text=True, env=env)  # fmt: skip
     if trl.returncode:
