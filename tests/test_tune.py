@@ -453,6 +453,27 @@ def test_an_exploit_whose_checkpoint_the_better_trial_has_deleted_since_takes_it
     assert lagging.children("exploited") == ["1-checkpoint_00000032"]
 
 
+def test_a_trial_that_ended_after_an_exploit_is_named_by_its_own_folder_and_its_last_exploit_s_values(tmp_path):
+    """Tune restores a trial's last result with the checkpoint it takes: until it reports again, its
+    result carries the other trial's id and values. The row takes the trial's folder (named by its
+    id) and its last exploit's values; a folder of a sweep begun before (Tune's long names) falls
+    back to the result's id."""
+    from types import SimpleNamespace
+
+    from raytpu.driver.tune import trial_id_of, values_of
+
+    sweep = SimpleNamespace(dir=str(tmp_path))
+    (tmp_path / "runs" / "ab12c_00001").mkdir(parents=True)
+    taken = [{"from_trial": "ab12c_00000", "step": 16, "values": {"optim.lr": 0.04}}]
+    (tmp_path / "runs" / "ab12c_00001" / "exploits.json").write_text(json.dumps(taken))
+    leader_s = {"trial_id": "ab12c_00000", "config": {"optim.lr": 0.05}}
+    result = SimpleNamespace(path=str(tmp_path / "tune" / "ab12c_00001"), metrics=leader_s, config=leader_s["config"])
+    assert trial_id_of(result) == "ab12c_00001"
+    assert values_of(sweep, "ab12c_00001", result) == {"optim.lr": 0.04}
+    older = SimpleNamespace(path="/x/run_trial_ab12c_00000_0_optim_lr=0.05", metrics=leader_s, config=None)
+    assert trial_id_of(older) == "ab12c_00000" and values_of(sweep, "ab12c_00000", older) == {}
+
+
 def test_a_pbt_winner_s_schedule_comes_from_its_newest_state_its_own_or_the_one_it_took_last(tmp_path):
     """An exploit at a trial's last report leaves it no checkpoint of its own after it: its final
     state, and the lr schedule best.yaml writes, is the one it took."""
