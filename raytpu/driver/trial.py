@@ -89,7 +89,7 @@ def exploited(trial_id: str, runs_dir: str, values: dict[str, Any]) -> dict[str,
     if pointer["trial"] == trial_id:
         return {}
     folder = RunFolder(join(runs_dir, trial_id))
-    exploits = json.loads(folder.read_text(EXPLOITS) or "[]")
+    exploits = exploits_of(folder)
     source = RunFolder(pointer["checkpoint"].rsplit("/", 1)[0])
     pointer, copy = copy_surviving(pointer, source, folder, len(exploits) + 1)
     for name in [*folder.children(), RAY_TRAIN_STATE]:  # its own line of checkpoints ends here
@@ -99,6 +99,11 @@ def exploited(trial_id: str, runs_dir: str, values: dict[str, Any]) -> dict[str,
     exploits[-1]["values"] = values
     folder.write_text(EXPLOITS, json.dumps(exploits, indent=2))
     return {"checkpoint.resume_from": copy}
+
+
+def exploits_of(trial: RunFolder) -> list[dict[str, Any]]:
+    """The trial's record of the checkpoints it took from other trials (``exploits.json``), oldest first."""
+    return json.loads(trial.read_text(EXPLOITS) or "[]")
 
 
 def copy_surviving(pointer: dict[str, Any], source: RunFolder, into: RunFolder, number: int) -> tuple[dict, str]:

@@ -41,7 +41,7 @@ from raytpu.driver.search import (
     trial_scheduler,
     within_memory,
 )
-from raytpu.driver.trial import EXPLOITS, run_trial, trial_config
+from raytpu.driver.trial import exploits_of, run_trial, trial_config
 from raytpu.job import Job
 from raytpu.records import goodput
 from raytpu.records import summary as run_summary
@@ -147,7 +147,7 @@ class Sweep:
 
     def exploits(self, trial_id: str) -> str | None:
         """A PBT trial's exploits, in a few words: ``2, last from <trial> at step 8``."""
-        found = json.loads(RunFolder(join(self.dir, "runs", trial_id)).read_text(EXPLOITS) or "[]")
+        found = exploits_of(RunFolder(join(self.dir, "runs", trial_id)))
         if not found:
             return None
         return f"{len(found)}, last from {found[-1]['from_trial']} at step {found[-1]['step']}"
@@ -435,7 +435,7 @@ def trial_id_of(result: Any) -> str:
 def values_of(sweep: Sweep, trial_id: str, result: Any) -> dict[str, Any]:
     """The searched values a trial last trained with: those of its last exploit (PBT's), when it had
     one, since its last result may be the one it took with the other trial's checkpoint."""
-    taken = json.loads(RunFolder(join(sweep.dir, "runs", trial_id)).read_text(EXPLOITS) or "[]")
+    taken = exploits_of(RunFolder(join(sweep.dir, "runs", trial_id)))
     return {**(result.config or {}), **(taken[-1]["values"] if taken else {})}
 
 
@@ -465,7 +465,7 @@ def write_best_config(sweep: Sweep, values: dict[str, Any], trial_id: str) -> st
 def taken_last(trial: RunFolder) -> dict[str, Any] | None:
     """What the checkpoint a trial took last says (its ``meta.json``): the trial's final state when
     the exploit came at its last report, so that it wrote no checkpoint of its own after it."""
-    exploits = json.loads(trial.read_text(EXPLOITS) or "[]")
+    exploits = exploits_of(trial)
     if not exploits:
         return None
     text = trial.read_text(f"exploited/{len(exploits)}-{Path(exploits[-1]['checkpoint']).name}/{META}")
