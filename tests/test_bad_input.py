@@ -151,6 +151,10 @@ CASES = {  # name: (argv after `raytpu`, text the error line must contain)
         ["train", LM, "job.model_config.num_hidden_layers=two"],
         "job.model_config.num_hidden_layers must be int (as Transformers' LlamaConfig types it), got 'two'",
     ),
+    "unknown attention kernel": (
+        ["train", LM, "--attn_implementation", "flash"],
+        "job.attn_implementation='flash' is not one of causal, sdpa, eager, ",
+    ),
     "storage path that cannot be made": (
         ["train", SMALL, "run.storage_path=/proc/raytpu-results"],
         "run.storage_path=/proc/raytpu-results: cannot create or write this folder",

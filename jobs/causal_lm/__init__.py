@@ -144,8 +144,7 @@ class CausalLMJob(Job):
         job = cfg.job
         if job.seq_len < 2:
             raise ValueError(f"job.seq_len must be at least 2 (a token and its successor), got {job.seq_len}")
-        known = attention_names()
-        if job.attn_implementation not in known:
+        if job.attn_implementation not in ATTENTION and job.attn_implementation not in (known := attention_names()):
             choices = ", ".join(known)
             raise ValueError(f"job.attn_implementation={job.attn_implementation!r} is not one of {choices}")
         check_architecture(job)

@@ -53,13 +53,13 @@ def special_ids_outside(model_type: str, fields: dict[str, Any]) -> dict[str, No
 
 
 def check_architecture(job: Any) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     if job.dtype not in DTYPES:
         raise ValueError(f"job.dtype={job.dtype!r} is not one of {', '.join(DTYPES)}")
     if job.model_name_or_path or job.config_name:
         architecture(job)  # read now: a name the Hub or its cache lacks is one line before any worker
         return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     if job.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         close = difflib.get_close_matches(job.model_type, list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
