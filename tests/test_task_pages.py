@@ -162,8 +162,8 @@ def test_the_your_model_page(ray_session, tmp_path: Path) -> None:
     said = run_page(page, folder, env, timeout=1500)
     runs = folder / "results"
     for name in ("finetune", "qwen-wikitext", "chat", "lora", "gpt2-scratch"):
-        assert json.loads((runs / name / "summary.json").read_text())["step"] == 20, name
-    scratch = json.loads((runs / "gpt2-scratch" / "checkpoint_00000020" / "meta.json").read_text())["config"]["job"]
+        assert json.loads((runs / name / "summary.json").read_text())["step"] == 5, name
+    scratch = json.loads((runs / "gpt2-scratch" / "checkpoint_00000005" / "meta.json").read_text())["config"]["job"]
     assert scratch["config_name"] == "openai-community/gpt2" and scratch["model_type"] == "gpt2", scratch
     assert (folder / "adapter" / "adapter_config.json").exists() and (folder / "merged" / "config.json").exists()
     assert "generated_text" in said[number_of(page, "python -c")]
