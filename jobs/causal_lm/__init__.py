@@ -27,7 +27,7 @@ from raytpu.config.args import Flag
 from raytpu.corpus.packing import TokenizerEncoder
 from raytpu.job import Batch, Job, JobConfig, StepContext, empty_build, weights_arrive_later
 from raytpu.jobs.causal_lm import corpus, hub, sft
-from raytpu.jobs.causal_lm.attention import ATTENTION, attention_for, attention_names
+from raytpu.jobs.causal_lm.attention import ATTENTION, attention_for, check_attention
 from raytpu.jobs.causal_lm.configs import (
     DTYPES,
     architecture,
@@ -144,9 +144,7 @@ class CausalLMJob(Job):
         job = cfg.job
         if job.seq_len < 2:
             raise ValueError(f"job.seq_len must be at least 2 (a token and its successor), got {job.seq_len}")
-        if job.attn_implementation not in ATTENTION and job.attn_implementation not in (known := attention_names()):
-            choices = ", ".join(known)
-            raise ValueError(f"job.attn_implementation={job.attn_implementation!r} is not one of {choices}")
+        check_attention(job.attn_implementation)
         check_architecture(job)
         limit = context_length(architecture(job))
         if limit is not None and job.seq_len > limit:

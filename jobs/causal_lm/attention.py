@@ -13,12 +13,17 @@ from torch import nn
 ATTENTION = {"causal": "raytpu_causal", "sdpa": "sdpa", "eager": "eager"}
 
 
-def attention_names() -> list[str]:
-    """``job.attn_implementation``'s values: raytpu's ``causal``, and Transformers' own kernels (read
-    from ``transformers.modeling_utils``, 3 to 4 s of imports: only for a name that is not raytpu's)."""
+def check_attention(name: str) -> None:
+    """``name`` is raytpu's ``causal`` or one of Transformers' own kernels, else a one-line error
+    listing them. Transformers' list is read from ``transformers.modeling_utils`` (3 to 4 s of
+    imports in the driver): only for a name that is not raytpu's."""
+    if name in ATTENTION:
+        return
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    return [*ATTENTION, *(name for name in ALL_ATTENTION_FUNCTIONS if name not in ATTENTION and "|" not in name)]
+    known = [*ATTENTION, *(other for other in ALL_ATTENTION_FUNCTIONS if other not in ATTENTION and "|" not in other)]
+    if name not in known:
+        raise ValueError(f"job.attn_implementation={name!r} is not one of {', '.join(known)}")
 
 
 def attention_implementation(name: str) -> str:
