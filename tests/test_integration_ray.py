@@ -5,6 +5,7 @@ side by side: tests/test_ingest_ray.py; failures, kills, signals and resumes: te
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,30 @@ def test_a_wait_for_resources_other_work_holds_gives_up_after_its_limit(ray_sess
             wait_for_nodes([{"CPU": 1.0}], "1 cpu worker(s)", 1.5, read_offer(this_machine=True), held_by_others=True)
     finally:
         remove_placement_group(other)
+
+
+def test_another_job_s_workers_never_ask_another_instance_s_dashboard(ray_session):
+    """The session's instance runs without a dashboard, yet Ray records 127.0.0.1:8265 as its
+    state API: a worker of any job on it (here a second driver's, as a page's command is) must not
+    ask whichever other instance serves a dashboard there, where Ray Train's placement-group
+    cleaner found no controller and removed a live run's workers. Its look fails instead."""
+    import subprocess
+    import sys
+
+    address = ray_session.get_runtime_context().gcs_address
+    code = (
+        "import ray\n"
+        f"ray.init(address={address!r}, log_to_driver=False)\n"
+        "@ray.remote(num_cpus=0)\n"
+        "def state_api():\n"
+        "    from ray.dashboard.utils import get_address_for_submission_client\n"
+        "    return get_address_for_submission_client(None)\n"
+        "print(ray.get(state_api.remote()))\n"
+    )
+    said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert said.returncode == 0, said.stderr[-2000:]
+    url = said.stdout.strip().splitlines()[-1]
+    assert url.startswith("http://127.0.0.1:") and ":8265" not in url, url
+    port = int(url.rsplit(":", 1)[1])
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()

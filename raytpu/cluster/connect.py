@@ -220,6 +220,16 @@ HUB_VARIABLES = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE
                  "TRANSFORMERS_OFFLINE", "HF_ENDPOINT")  # fmt: skip
 
 
+#: where the workers of a local instance without a dashboard look for Ray's state API: nowhere.
+#: Ray still records 127.0.0.1:8265 as its address, so its state clients would ask whichever
+#: other instance on this machine serves a dashboard there; Ray Train's placement-group cleaner,
+#: not finding a live run's controller in that one, took it for dead and removed the run's
+#: workers. A port where nothing listens makes the look fail, and the cleaner keeps watching.
+NO_STATE_API = "http://127.0.0.1:1"
+#: what Ray's state and job clients read before any address (``RAY_ADDRESS`` included)
+API_SERVER = "RAY_API_SERVER_ADDRESS"
+
+
 def connect(address: str | None, quiet: bool = False, verbose: bool = False, dashboard: bool | None = None) -> None:
     """Join the cluster at ``address`` / ``RAY_ADDRESS``, or start a local Ray instance, with Ray's
     dashboard where ``dashboard`` is None (Ray's default: when it is installed) or True.
@@ -253,6 +263,9 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False, das
     local = address in (None, "local")
     if local:
         kwargs["include_dashboard"] = dashboard
+        no_state_api = dashboard is False and API_SERVER not in os.environ
+        if no_state_api:  # for the workers of every job: the raylet started here passes it on
+            os.environ[API_SERVER] = NO_STATE_API
         if address is None:
             print("raytpu: no Ray cluster given (--address / RAY_ADDRESS); starting a local Ray instance", flush=True)
         # the nodes of a local instance are never drained: Ray Train's preemption watcher (an actor
@@ -279,6 +292,8 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False, das
     finally:
         if local:
             os.environ.pop(GCS_PORT, None)
+            if no_state_api:
+                os.environ.pop(API_SERVER, None)
     # and so do the driver's later lookups (Tune, Ray Train's threads in this process)
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     if local:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytpu.cluster.connect import auth_headers
+from raytpu.cluster.connect import API_SERVER, auth_headers
 from raytpu.config import Config, load_config
 from raytpu.config.args import extract
 from raytpu.job import job_module
@@ -50,10 +50,6 @@ EXCLUDES = [
     "*.pt",
     "*.pth",
 ]
-
-
-#: what Ray's job client reads before any address (``RAY_ADDRESS`` included)
-API_SERVER = "RAY_API_SERVER_ADDRESS"
 
 
 class SubmitError(ValueError):
