@@ -132,6 +132,17 @@ def elastic_probe(config: dict[str, Any]) -> None:
         time.sleep(300)  # the test removes slice-b meanwhile
 
 
+def wait_for_free_chips(chips: int, timeout_s: float = 120) -> None:
+    """Until Ray has released every chip of the layout runs: an elastic run starts at the largest
+    size that fits, so a slice still held by the last run's workers would start it on one slice."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("TPU", 0) < chips:
+        assert time.monotonic() < deadline, f"chips still held: {ray.available_resources()}"
+        time.sleep(0.2)
+
+
 def run_elastic(cluster: Any, hosts: dict[tuple[str, int], Any], out: Path) -> None:
     """``scaling.tpu.slices=1:2`` over the two slices (spmd: 2 to 4 workers); once the group of both
     slices runs, slice-b goes: the group restarts on the slice left. (With one host of slice-b left,
@@ -160,11 +171,13 @@ def run_elastic(cluster: Any, hosts: dict[tuple[str, int], Any], out: Path) -> N
         torch_config=raytpu_trainer.backend_config,
         run_config=raytpu_trainer.run_config,  # raytpu's: the elastic watch, retries without limit
     )
+    wait_for_free_chips(len(SLICES) * HOSTS_PER_SLICE * CHIPS_PER_HOST)
     done = threading.Event()
     threading.Thread(target=lambda: (probe.fit(), done.set()), daemon=True).start()
     deadline = time.monotonic() + 240
     while len(list(records.glob(f"world{2 * HOSTS_PER_SLICE}_rank*.json"))) < 2 * HOSTS_PER_SLICE:
-        assert time.monotonic() < deadline, "no group of both slices"
+        started = sorted(path.name for path in records.glob("world*.json"))
+        assert time.monotonic() < deadline and not done.is_set(), f"no group of both slices: {started}"
         time.sleep(0.2)
     for worker_id in range(HOSTS_PER_SLICE):  # on the main thread, as Cluster wants it
         cluster.remove_node(hosts[("slice-b", worker_id)])
