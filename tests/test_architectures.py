@@ -22,12 +22,10 @@ from tests.conftest import ROOT
 SMALL = str(ROOT / "jobs" / "causal_lm" / "small.yaml")
 LAYERS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
           "num_key_value_heads": 1, "max_position_embeddings": 64}  # fmt: skip
-NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 #: name -> (model_type, model_config): a window of 8 tokens is shorter than the 32-token blocks
 ARCHITECTURES = {
-    # tied by default; its dropout off (XLA: a resumed run's dropout masks differ from an uninterrupted
-    # run's: issue 59's note)
-    "gpt2": ("gpt2", {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64, **NO_DROPOUT}),
+    # tied by default, with its dropout: a resumed run draws the masks of an uninterrupted one
+    "gpt2": ("gpt2", {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64}),
     "llama-tied": ("llama", {**LAYERS, "tie_word_embeddings": True}),  # Llama 3.2 1B / 3B
     "llama": ("llama", {**LAYERS, "tie_word_embeddings": False}),
     "qwen2": ("qwen2", {**LAYERS, "tie_word_embeddings": True}),  # Qwen2.5 0.5B - 3B

@@ -334,8 +334,8 @@ class Runtime:
             return type(obj)(self.to_cpu(v) for v in obj)
         return obj
 
-    def begin_step(self) -> None:
-        """Start of a training step (XLA notes the compile count)."""
+    def begin_step(self, step: int) -> None:
+        """Start of the training step after ``step`` steps (XLA notes the compile count and seeds the step)."""
 
     def end_step(self, step: int, steps_into_epoch: int) -> str | None:
         """End of a training step, its graph run: a warning text when something went wrong

@@ -116,7 +116,7 @@ class DDPRuntime(Runtime):
         self.scaler.update()
         return norm
 
-    def begin_step(self) -> None:
+    def begin_step(self, step: int) -> None:
         if self.watch is not None:
             self.watch.begin_step()
 

@@ -47,6 +47,9 @@ from raytpu.runtime.base import RecompileError, Runtime, batchnorm_scope, clip_o
 from raytpu.runtime.torch_fsdp import NO_UNITS, plain_state_dict_names, units_of, wrapping_units
 from raytpu.runtime.tpu import tpu_peak_flops, tpu_present
 
+#: a run's seed times this, plus the step: each step's seed (``begin_step``), apart for every step and seed
+STEP_SEEDS = 2**32
+
 
 class XLARuntime(Runtime):
     name = "xla"
@@ -66,6 +69,7 @@ class XLARuntime(Runtime):
         and their activation checkpointing)."""
         super().__init__(precision, world_size, rank, local_rank)
         self.layers = list(sharding.layers) if sharding else []
+        self._seed = 0  # the run's (``seed``): each training step's random numbers derive from it
         self.activation_checkpointing = bool(sharding and sharding.activation_checkpointing)
         self.axes = sharding.mesh if sharding else None
         if not tpu_present():
@@ -306,6 +310,7 @@ class XLARuntime(Runtime):
 
         torch.manual_seed(seed)
         xm.set_rng_state(seed)
+        self._seed = seed
 
     def to_cpu(self, obj: Any) -> Any:
         self._torch_xla.sync()
@@ -317,8 +322,15 @@ class XLARuntime(Runtime):
         data = met.metric_data("CompileTime")
         return int(data[0]) if data else 0
 
-    def begin_step(self) -> None:
+    def begin_step(self, step: int) -> None:
+        """Also seeds the step's random numbers (dropout) from the run's seed and ``step`` alone:
+        torch_xla advances its seed at every graph run (``sync``), and the evaluations, logs and
+        checkpoints between two steps run a different number of graphs in a resumed run than in an
+        uninterrupted one, so a saved seed did not give a resumed run the same dropout masks."""
+        import torch_xla.core.xla_model as xm
+
         self._compiles_before_step = self.compile_count()
+        xm.set_rng_state((self._seed * STEP_SEEDS + step) % 2**64)
 
     def end_step(self, step: int, steps_into_epoch: int) -> str | None:
         """After warm-up a training step must reuse its compiled graph.

@@ -278,7 +278,7 @@ class Trainer:
         if self.profile is not None:
             self.profile.before(p.step + 1)
         self.clock.step_started()
-        rt.begin_step()
+        rt.begin_step(p.step)
         ctx = StepContext(epoch=p.epoch, step=p.step, training=True, config=cfg)
         tracing = self.profile is not None and self.profile.tracing
         traced = rt.step_trace(p.step + 1) if tracing else contextlib.nullcontext()
