@@ -151,8 +151,7 @@ def test_another_job_s_workers_never_ask_another_instance_s_dashboard(ray_sessio
     state API: a worker of any job on it (here a second driver's, as a page's command is) must not
     ask whichever other instance serves a dashboard there, where Ray Train's placement-group
     cleaner found no controller and removed a live run's workers. Its look fails instead."""
-    import subprocess
-    import sys
+    from tests.conftest import finish, start_python
 
     address = ray_session.get_runtime_context().gcs_address
     code = (
@@ -164,7 +163,7 @@ def test_another_job_s_workers_never_ask_another_instance_s_dashboard(ray_sessio
         "    return get_address_for_submission_client(None)\n"
         "print(ray.get(state_api.remote()))\n"
     )
-    said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    said = finish(start_python(["-c", code]), timeout=120)
     assert said.returncode == 0, said.stderr[-2000:]
     url = said.stdout.strip().splitlines()[-1]
     assert url.startswith("http://127.0.0.1:") and ":8265" not in url, url
