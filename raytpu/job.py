@@ -229,9 +229,10 @@ class ReadsText(Protocol):
 @runtime_checkable
 class TakesRecords(Protocol):
     """A text job that also trains on rows of fields (conversations, prompts and completions: TRL's
-    formats), which it tokenizes itself into the data root on the driver (the torch path); its
-    batches then carry ``labels`` (the tokens the loss skips at -100), ``position_ids`` and
-    ``segments`` (each row's documents)."""
+    formats), which it tokenizes itself: into the data root on the driver (the torch path), or in
+    the streamed path's tasks through its :meth:`row_encoder` (``data.loader: ray``); its batches
+    then carry ``labels`` (the tokens the loss skips at -100), ``position_ids`` and ``segments``
+    (each row's documents)."""
 
     def takes_records(self, cfg: Config, first: dict[str, Any]) -> bool:
         """Whether the corpus, of which ``first`` is the first training row, is such rows."""
@@ -240,6 +241,15 @@ class TakesRecords(Protocol):
     def prepare_records(self, cfg: Config, data_root: Path, sources: Any) -> None:
         """Tokenize the training and validation rows of ``sources`` into ``data_root`` (left as they
         are when made from the same rows and settings)."""
+        ...
+
+    def row_encoder(self, cfg: Config, data_root: Path) -> Any:
+        """The streamed path's :class:`~raytpu.corpus.rows.RowEncoder` of the run's rows."""
+        ...
+
+    def stream_records(self, cfg: Config, data_root: Path, sources: Any) -> None:
+        """Before a streamed run's workers start: check the first rows of ``sources`` (a bad one
+        raises ``ValueError``) and keep in ``data_root`` what its evaluations need."""
         ...
 
 

@@ -108,3 +108,18 @@ def test_every_step_trains_the_blocks_of_the_order_through_a_restart_and_a_resiz
     assert [trained[step] for step in range(1, 21)] == expected[:20]
     summary = json.loads((out / "runs" / "lm" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["step"] == 20
+
+
+def test_a_bad_file_past_the_first_is_one_line_from_the_index_s_tasks(ray_session, tmp_path, capsys):
+    """Streamed, a corpus's first file is read before Ray is joined; a later one that is not what its
+    suffix says is found by the Ray Data task that counts it, and said in one line naming it."""
+    from tests.test_corpus import docs, write_jsonl, write_zst
+
+    first = write_jsonl(tmp_path / "a.jsonl", docs(200))
+    bad = write_zst(tmp_path)
+    words = ["train", str(SMALL), "--streaming", "--train_file", f"{first},{bad}", "--validation_file", str(first),
+             f"data.path={tmp_path / 'p'}", "--output_dir", str(tmp_path / "runs"), "job.seq_len=32"]  # fmt: skip
+    code = cli.main(words)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("raytpu: error:")]
+    assert code == 2 and len(errors) == 1 and "t.jsonl.zst: not a zst file, as its suffix says" in errors[0], errors
+    assert not list(tmp_path.glob("runs/*/checkpoint_*"))

@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -277,7 +278,8 @@ def test_lora_on_a_tensor_axis_follows_one_worker(model_dir, tmp_path):
          r"job.lora_target_modules=\['nothing_like_it'\] matches no module of the model; its linear layers: .*q_proj"),
         ([conversation(1)], ["--use_peft", "--lora_dropout", "1.5"], r"job.lora_dropout=1.5 \(in \[0, 1\)\)"),
         ([conversation(1)], ["--use_peft", "xla.scan_layers=true"], "set --lora_dropout 0, or xla.scan_layers=false"),
-        ([conversation(1)], ["--streaming"], "train on the torch path: drop --streaming"),
+        ([{"messages": [{"role": "user", "content": "hi"}]}], ["--assistant_only_loss", "--streaming"],
+         "bad.jsonl row 1: a conversation with no assistant turn"),
     ],
 )  # fmt: skip
 def test_bad_rows_and_settings_are_one_line(model_dir, tmp_path, capsys, rows, more, message):
@@ -353,3 +355,65 @@ def test_each_evaluation_continues_held_out_prompts_through_the_template(model_d
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"tensors": 0}).Reload()
     shown = [events.Tensors(f"valid/sample_{i}/text_summary")[-1].tensor_proto.string_val[0].decode() for i in (0, 1)]
     assert all(text.startswith("<|im_start|>") and "<|im_start|>assistant\n" in text for text in shown), shown
+
+
+def test_streamed_rows_are_the_torch_path_s_rows_and_count_skip_and_hold_out_as_text_does(model_dir, tmp_path):
+    """A file of conversations streamed (``raytpu.corpus.rows``: packed in a task, a group of rows at
+    a time) gives the rows the torch path prepares from it, ids, labels, positions and segments; its
+    count is its rows, a resumed read skips exactly, and a held-out share splits the rows in two."""
+    from raytpu.corpus.index import Sources
+    from raytpu.corpus.rows import RowPacking, rows_batch
+    from raytpu.corpus.sources import find_units
+
+    rows = [conversation(i) for i in range(40)] + [{"messages": [*conversation(1)["messages"]] * 12}]  # one cut
+    train = write_rows(tmp_path / "c.jsonl", rows)
+    cfg, job = load_config(FINETUNE, words(model_dir, train, "--packing", "--assistant_only_loss",
+                                           f"data.path={tmp_path / 'p'}"))  # fmt: skip
+    prepared = sft.Rows(prepare_text(cfg, job) / "sft-train", LENGTH, 0)
+    packing = RowPacking(job.row_encoder(cfg, tmp_path / "p"), LENGTH)
+    unit = find_units([str(train)], "data.train_files")[0]
+    streamed = rows_batch(np.concatenate(list(packing.blocks(unit))))
+    assert len(streamed["input_ids"]) == len(prepared) >= 2
+    for index in range(len(prepared)):
+        for name, value in prepared[index].items():
+            assert torch.equal(streamed[name][index], value), (index, name)
+    count = packing.count(unit)
+    assert (count.blocks, count.documents, count.cut) == (len(prepared), 41, 1)
+    whole = np.concatenate(list(packing.blocks(unit)))
+    assert np.array_equal(np.concatenate(list(packing.blocks(unit, skip=1))), whole[1:])
+    held, kept = Sources((unit,), (unit,), 25.0).packings(packing.encoder, LENGTH, "text")
+    assert held.count(unit).documents + kept.count(unit).documents == 41 and kept.count(unit).documents
+
+
+def test_positions_restart_at_each_document_and_padding_is_at_zero():
+    from raytpu.corpus.rows import positions
+
+    segments = np.array([[0, 0, 0, 1, 1, 2, -1, -1], [0, 0, 0, 0, 0, 0, 0, 0]])
+    assert positions(segments).tolist() == [[0, 1, 2, 0, 1, 0, 0, 0], [0, 1, 2, 3, 4, 5, 6, 7]]
+
+
+@pytest.mark.integration
+def test_streamed_conversations_on_two_ray_workers_take_the_torch_path_s_first_step(
+    ray_session, model_dir, tmp_path, capsys
+):
+    """Conversations streamed by Ray Data (``--streaming``) to 2 Ray workers, packed, assistant-only
+    loss, the whole set one global batch: the first step's loss is the torch path's on the same rows
+    in one process; the held-out prompts are kept for the evaluations; a bad row deep in the file is
+    one line naming it, from the task that read it."""
+    rows = [conversation(i * 7) if i % 3 else {"messages": [*conversation(i)["messages"]] * 3} for i in range(24)]
+    train = write_rows(tmp_path / "c.jsonl", rows)
+    options = ["--packing", "--assistant_only_loss", "--learning_rate", "1e-3", "data.shuffle=false"]
+    ours, count = first_step(model_dir, train, tmp_path, *options)
+    code = cli.main(["train", FINETUNE, *words(model_dir, train, *options, "--streaming"), "scaling.num_workers=2",
+                     f"data.path={tmp_path / 'streamed'}", "--output_dir", str(tmp_path / "runs"), "run.name=s",
+                     f"data.global_batch_size={count}", "loop.max_steps=1"])  # fmt: skip
+    assert code == 0
+    metrics = json.loads((tmp_path / "runs" / "s" / "summary.json").read_text())["metrics"]
+    assert metrics["train/loss"] == pytest.approx(ours, rel=1e-5)  # over both workers
+    assert json.loads((tmp_path / "streamed" / sft.STREAMED / sft.PROMPTS).read_text())
+    bad = write_rows(tmp_path / "bad.jsonl", rows * 4 + [{"messages": [{"role": "robot", "content": "hi"}]}])
+    code = cli.main(["train", FINETUNE, *words(model_dir, bad, "--streaming"), f"data.path={tmp_path / 'bad'}",
+                     "--output_dir", str(tmp_path / "runs"), "run.name=bad"])  # fmt: skip
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("raytpu: error:")]
+    assert code == 2 and errors == ["raytpu: error: bad.jsonl row 97: unknown role robot (roles: system, developer, "
+                                    "user, assistant, tool)"], errors  # fmt: skip

@@ -199,20 +199,21 @@ class CausalLMJob(Job):
 
     def prepare_records(self, cfg: Config, data_root: Path, sources: Any) -> None:
         job = cfg.job
-        if Path(corpus.tokenizer_source(job.tokenizer, job.model_name_or_path, data_root)) == Path(data_root):
-            raise ValueError(
-                "fine-tuning on rows (conversations, prompts and completions, or --packing) takes the model's own "
-                "tokenizer (--model_name_or_path) or one named with --tokenizer_name"
-            )
-        tokenizer = run_tokenizer(job, data_root)
-        how = sft.Tokenizing(cfg.data.text_column, job.assistant_only_loss, job.completion_only_loss,
-                             chat_template(job, tokenizer))  # fmt: skip
+        tokenizer, how = rows_tokenizer(cfg, data_root)
         made = sft.prepare(data_root, sources, tokenizer, how, job.seq_len, job.packing)
         cut = made["splits"]["train"]["truncated"]
         if cut:
             print(
                 f"raytpu: {cut} training example(s) longer than job.seq_len={job.seq_len} tokens were cut", flush=True
             )
+
+    def row_encoder(self, cfg: Config, data_root: Path) -> sft.StreamedRows:
+        tokenizer, how = rows_tokenizer(cfg, data_root)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return sft.StreamedRows(tokenizer, how, cfg.job.packing, pad)
+
+    def stream_records(self, cfg: Config, data_root: Path, sources: Any) -> None:
+        sft.check_stream(data_root, sources, self.row_encoder(cfg, data_root), cfg.job.seq_len)
 
     # --------------------------------------------- a corpus of the user's (data.train_files)
     def block_length(self, cfg: Config) -> int:
@@ -335,9 +336,10 @@ class CausalLMJob(Job):
         if not job.sample_tokens:
             return {}
         tokenizer = run_tokenizer(job, data_root)
-        if not (Path(data_root) / "sft-valid").is_dir():
+        rows = Path(data_root) / (sft.STREAMED if ctx.config.data.loader == "ray" else "sft-valid")
+        if not rows.is_dir():
             return {"sample": generate(model, tokenizer, job.prompt, job.sample_tokens)}
-        prompts = sft.held_out_prompts(Path(data_root) / "sft-valid", SAMPLED_PROMPTS)
+        prompts = sft.held_out_prompts(rows, SAMPLED_PROMPTS)
         return {f"sample_{i}": generate(model, tokenizer, ids, job.sample_tokens) for i, ids in enumerate(prompts)}
 
     # ---------------------------------------------------------------- export
@@ -377,6 +379,21 @@ def chat_template(job: CausalLMConfig, tokenizer: Any) -> str | None:
     if Path(source).is_file():
         return Path(source).read_text()
     return hub.load_tokenizer(source, hub.options(job), "job.chat_template_path").chat_template
+
+
+def rows_tokenizer(cfg: Config, data_root: Path) -> tuple[Any, sft.Tokenizing]:
+    """The tokenizer rows are fine-tuned with (the model's own, or one named: never one trained on
+    the rows) and how it tokenizes them."""
+    job = cfg.job
+    if Path(corpus.tokenizer_source(job.tokenizer, job.model_name_or_path, data_root)) == Path(data_root):
+        raise ValueError(
+            "fine-tuning on rows (conversations, prompts and completions, or --packing) takes the model's own "
+            "tokenizer (--model_name_or_path) or one named with --tokenizer_name"
+        )
+    tokenizer = run_tokenizer(job, data_root)
+    how = sft.Tokenizing(cfg.data.text_column, job.assistant_only_loss, job.completion_only_loss,
+                         chat_template(job, tokenizer))  # fmt: skip
+    return tokenizer, how
 
 
 def run_tokenizer(job: CausalLMConfig, data_root: Path) -> Any:

@@ -10,15 +10,18 @@ markers), the completion alone with ``job.completion_only_loss`` (on by default,
 
 Rows are then packed best-fit (``job.packing``: TRL's ``pack_dataset``, ``bfd``: a conversation is
 never split, one longer than ``job.seq_len`` is cut), or kept one a row and cut to ``job.seq_len``;
-those left with no label are dropped. Every row is padded to ``job.seq_len`` (one shape: XLA
-compiles one step) and carries each token's position in its own document and the document's id
-(``segments``; padding -1), from which the step's attention mask keeps attention inside each
-document.
+those left with no label are dropped. On the torch path the driver does this once into the data
+root (:func:`prepare`); streamed (``data.loader: ray``), the corpus path's tasks do it a group of a
+file's rows at a time (:class:`StreamedRows`, ``raytpu.corpus.rows``). Every row is padded to
+``job.seq_len`` (one shape: XLA compiles one step) and carries each token's position in its own
+document and the document's id (``segments``; padding -1), from which the step's attention mask
+keeps attention inside each document.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +39,10 @@ MADE_FROM = "sft.json"
 PROMPTS = "prompts.json"
 #: the held-out prompts kept
 KEPT_PROMPTS = 4
+#: the folder of a streamed run's held-out prompts (its rows are read by the corpus path's tasks)
+STREAMED = "sft-stream"
+#: rows of each side a streamed run encodes on the driver before any worker starts
+CHECKED_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -192,11 +199,13 @@ def prepare(root: Path, sources: Any, tokenizer: Any, how: Tokenizing, length: i
     return record
 
 
-def write_split(folder: Path, examples: list[tuple[list[int], list[int]]], length: int, packing: bool) -> dict:
-    """The split's rows as a datasets folder: packed best-fit, or one example a row, cut to
-    ``length``; rows left with no label dropped. What it holds, in numbers."""
-    from datasets import Dataset
+def fit(examples: list[tuple[list[int], list[int]]], length: int, packing: bool) -> tuple[Any, dict[str, int]]:
+    """Examples as rows of at most ``length`` tokens (a ``datasets.Dataset`` of ``input_ids``,
+    ``labels`` and ``seq_lengths``): packed best-fit, or one example a row, cut to ``length``;
+    rows left with no label dropped. What went in, in numbers."""
+    from datasets import Dataset, disable_progress_bars
 
+    disable_progress_bars()  # Map's bars: the console is the run's
     longer = sum(len(ids) > length for ids, _ in examples)
     cut = [(ids[:length], labels[:length]) for ids, labels in examples]
     kept = [(ids, labels) for ids, labels in cut if any(label != -100 for label in labels)]
@@ -207,9 +216,50 @@ def write_split(folder: Path, examples: list[tuple[list[int], list[int]]], lengt
         table = pack_dataset(table, length, "bfd")
     else:
         table = table.map(lambda row: {"seq_lengths": [len(row["input_ids"])]})
+    return table, {"examples": len(examples), "truncated": longer, "dropped": len(cut) - len(kept),
+                   "rows": len(table), "tokens": sum(len(ids) for ids, _ in kept)}  # fmt: skip
+
+
+def write_split(folder: Path, examples: list[tuple[list[int], list[int]]], length: int, packing: bool) -> dict:
+    """The split's rows (:func:`fit`) as a datasets folder; what it holds, in numbers."""
+    table, counts = fit(examples, length, packing)
     table.save_to_disk(str(folder))
-    return {"examples": len(examples), "truncated": longer, "dropped": len(cut) - len(kept), "rows": len(table),
-            "tokens": sum(len(ids) for ids, _ in kept)}  # fmt: skip
+    return counts
+
+
+class StreamedRows:
+    """The streamed path's :class:`~raytpu.corpus.rows.RowEncoder`: rows tokenized as
+    :func:`tokenized` and fitted as :func:`fit`, in the corpus path's tasks (the tokenizer travels
+    with it)."""
+
+    def __init__(self, tokenizer: Any, how: Tokenizing, packing: bool, pad_id: int) -> None:
+        self.tokenizer, self.how, self.packing, self.pad_id = tokenizer, how, packing, pad_id
+        self.text_column, self.vocab_size = how.text_column, len(tokenizer)
+        made = [how.__dict__, packing, pad_id, tokenizer.chat_template, tokenizer.backend_tokenizer.to_str()]
+        self.fingerprint = hashlib.sha256(json.dumps(made, default=str).encode()).hexdigest()[:16]
+
+    def encode_rows(self, rows: list[dict[str, Any]], where: list[str], length: int) -> Any:
+        from raytpu.corpus.rows import EncodedRows, fixed_rows
+
+        examples = [tokenized(row, self.tokenizer, self.how, at) for row, at in zip(rows, where)]
+        table, counts = fit(examples, length, self.packing)
+        packed = [(row["input_ids"], row["labels"], row["seq_lengths"]) for row in table]
+        return EncodedRows(fixed_rows(packed, length, self.pad_id), len(examples), counts["truncated"],
+                           counts["tokens"])  # fmt: skip
+
+
+def check_stream(root: Path, sources: Any, encoder: StreamedRows, length: int) -> None:
+    """The streamed path's rows checked before any worker starts (the first :data:`CHECKED_ROWS` of
+    each side encoded: a bad row is one line), and the held-out side's first prompts kept in
+    ``root/sft-stream`` (continued at each evaluation)."""
+    sides = (("train", sources.train, "train"), ("valid", sources.valid, "valid" if sources.holdout else "all"))
+    for _, units, kind in sides:
+        first = list(itertools.islice(rows_of(units, kind, encoder.text_column, sources.holdout), CHECKED_ROWS))
+        encoder.encode_rows([row for row, _ in first], [where for _, where in first], length)
+    asked = (prompt_ids(row, encoder.tokenizer, encoder.how) for row, _ in first)  # the held-out side's
+    prompts = [ids[: length - 1] for ids in asked if ids][:KEPT_PROMPTS]
+    (Path(root) / STREAMED).mkdir(parents=True, exist_ok=True)
+    (Path(root) / STREAMED / PROMPTS).write_text(json.dumps(prompts))
 
 
 class Rows(Dataset):
@@ -226,17 +276,11 @@ class Rows(Dataset):
         return len(self.rows)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        from raytpu.corpus.rows import fixed_rows, rows_batch
+
         row = self.rows[index]
-        ids, labels, lengths = row["input_ids"], row["labels"], row["seq_lengths"]
-        padding = self.length - len(ids)
-        positions = [p for n in lengths for p in range(n)] + [0] * padding
-        segments = [s for s, n in enumerate(lengths) for _ in range(n)] + [-1] * padding
-        return {
-            "input_ids": torch.tensor(ids + [self.pad_id] * padding),
-            "labels": torch.tensor(labels + [-100] * padding),
-            "position_ids": torch.tensor(positions),
-            "segments": torch.tensor(segments),
-        }
+        fixed = fixed_rows([(row["input_ids"], row["labels"], row["seq_lengths"])], self.length, self.pad_id)
+        return {name: value[0] for name, value in rows_batch(fixed).items()}
 
 
 def document_mask(segments: torch.Tensor) -> torch.Tensor:

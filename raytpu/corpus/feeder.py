@@ -61,14 +61,16 @@ class Feeder:
         threading.Thread(target=self._read, name="raytpu-feeder", daemon=True).start()
 
     # ------------------------------------------------------------ asked by the workers
-    def describe(self) -> dict[str, int]:
-        """The epoch's blocks and steps, the window's blocks, and the windows held now."""
+    def describe(self) -> dict[str, Any]:
+        """The epoch's blocks and steps, the window's blocks, the windows held now and a block's shape."""
         with self.changed:
             held = len(self.windows)
-        return {"blocks": self.order.blocks, "steps": self.order.steps, "window": self.order.window, "held": held}
+        shape = list(self.spec.packing.row_shape)
+        return {"blocks": self.order.blocks, "steps": self.order.steps, "window": self.order.window, "held": held,
+                "shape": shape}  # fmt: skip
 
     def take(self, epoch: int, step: int, rank: int, workers: int, accum: int) -> np.ndarray:
-        """Rank ``rank``'s blocks of step ``step`` of ``epoch``: ``(accum x micro, length)``."""
+        """Rank ``rank``'s blocks of step ``step`` of ``epoch``: ``(accum x micro, *row_shape)``."""
         window, places = self.order.rows(epoch, step, rank, workers, accum)
         key = (epoch, window)
         with self.changed:
@@ -110,7 +112,7 @@ class Feeder:
 
     def _read_windows(self) -> None:
         blocks: Iterator[np.ndarray] = iter(())
-        pending = np.empty((0, self.spec.packing.length), self.spec.packing.dtype)
+        pending = np.empty((0, *self.spec.packing.row_shape), self.spec.packing.dtype)
         while True:
             with self.changed:
                 while self._distance(self.furthest, self.cursor) > AHEAD:

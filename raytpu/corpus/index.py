@@ -19,6 +19,7 @@ from typing import Any
 
 from raytpu.config import Config
 from raytpu.corpus.packing import Packing, TextEncoder, UnitCount
+from raytpu.corpus.rows import RowEncoder, RowPacking
 from raytpu.corpus.sources import CorpusError, Unit, documents, find_units, fingerprint, validation_split_of
 from raytpu.errors import ConfigError
 
@@ -36,8 +37,14 @@ class Sources:
     valid: tuple[Unit, ...]
     holdout: float
 
-    def packings(self, encoder: TextEncoder, length: int, column: str) -> tuple[Packing, Packing]:
-        """How the training and the validation units are packed."""
+    def packings(self, encoder: TextEncoder | RowEncoder, length: int, column: str) -> tuple[Any, Any]:
+        """How the training and the validation units are packed: text into blocks, or rows of fields
+        by the job's :class:`~raytpu.corpus.rows.RowEncoder`."""
+        if isinstance(encoder, RowEncoder):
+            if self.holdout:
+                return (RowPacking(encoder, length, self.holdout, "train"),
+                        RowPacking(encoder, length, self.holdout, "valid"))  # fmt: skip
+            return RowPacking(encoder, length), RowPacking(encoder, length)
         if self.holdout:
             return (Packing(encoder, length, column, self.holdout, "train"),
                     Packing(encoder, length, column, self.holdout, "valid"))  # fmt: skip
@@ -111,7 +118,8 @@ class CorpusIndex:
     def from_record(cls, record: dict[str, Any]) -> CorpusIndex:
         def split(rows: list[dict[str, Any]]) -> tuple[tuple[Unit, ...], tuple[UnitCount, ...]]:
             units = tuple(Unit(**{k: row[k] for k in Unit.__dataclass_fields__}) for row in rows)
-            return units, tuple(UnitCount(**{k: row[k] for k in UnitCount.__dataclass_fields__}) for row in rows)
+            counts = tuple(UnitCount(**{k: row.get(k, 0) for k in UnitCount.__dataclass_fields__}) for row in rows)
+            return units, counts
 
         train, train_counts = split(record["train"])
         valid, valid_counts = split(record["valid"])
@@ -119,7 +127,7 @@ class CorpusIndex:
         return cls(record["fingerprint"], sources, train_counts, valid_counts)
 
 
-def index_fingerprint(sources: Sources, encoder: TextEncoder, length: int, column: str) -> str:
+def index_fingerprint(sources: Sources, encoder: TextEncoder | RowEncoder, length: int, column: str) -> str:
     identity = getattr(encoder, "fingerprint", type(encoder).__name__)
     units = (*sources.train, *sources.valid)
     return fingerprint(units, FORMAT, len(sources.train), sources.holdout, identity, length, column)
@@ -134,7 +142,9 @@ def read_index(root: Path) -> CorpusIndex | None:
     return CorpusIndex.from_record(record) if record.get("format") == FORMAT else None
 
 
-def corpus_index(root: Path, sources: Sources, encoder: TextEncoder, length: int, column: str) -> CorpusIndex:
+def corpus_index(
+    root: Path, sources: Sources, encoder: TextEncoder | RowEncoder, length: int, column: str
+) -> CorpusIndex:
     """The index of ``sources`` packed at ``length``: the one in ``root`` when it is of the same
     files and options, else counted by Ray Data tasks and written there."""
     from raytpu.corpus.pipeline import count_units

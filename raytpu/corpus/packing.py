@@ -85,10 +85,26 @@ class Packing:
         """The smallest dtype that holds every id (uint16 up to 65,536 entries)."""
         return np.dtype(np.uint16 if self.encoder.vocab_size <= 1 << 16 else np.int32)
 
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """The shape of one block."""
+        return (self.length,)
+
     def kept(self, unit: Unit, index: int) -> bool:
-        if self.keep == "all" or not self.holdout:
-            return self.keep != "valid"
-        return held_out(unit.name, index, self.holdout) == (self.keep == "valid")
+        return kept(unit, index, self.holdout, self.keep)
+
+    def blocks(self, unit: Unit, skip: int = 0) -> Iterator[np.ndarray]:
+        return unit_blocks(unit, self, skip)
+
+    def count(self, unit: Unit) -> UnitCount:
+        return count_unit(unit, self)
+
+
+def kept(unit: Unit, index: int, holdout: float, keep: str) -> bool:
+    """Whether document ``index`` of ``unit`` is on the side ``keep`` of a ``holdout`` percent share."""
+    if keep == "all" or not holdout:
+        return keep != "valid"
+    return held_out(unit.name, index, holdout) == (keep == "valid")
 
 
 def held_out(name: str, index: int, percent: float) -> bool:
@@ -133,11 +149,13 @@ def unit_blocks(unit: Unit, packing: Packing, skip: int = 0) -> Iterator[np.ndar
 
 @dataclass(frozen=True)
 class UnitCount:
-    """What packing one unit gave: its documents (kept ones), tokens and whole blocks."""
+    """What packing one unit gave: its documents (kept ones), tokens and whole blocks, and the
+    documents cut to fit a block (rows: ``raytpu.corpus.rows``; text is cut into blocks anyway)."""
 
     documents: int
     tokens: int
     blocks: int
+    cut: int = 0
 
 
 def count_unit(unit: Unit, packing: Packing) -> UnitCount:

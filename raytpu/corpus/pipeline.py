@@ -1,4 +1,6 @@
-"""The corpus path's Ray Data pipelines: a unit a task, tokenized and packed in parallel, the
+"""The corpus path's Ray Data pipelines: a unit a task, tokenized and packed in parallel (text
+blocks, ``raytpu.corpus.packing``, or rows of fields, ``raytpu.corpus.rows``: any packing with
+``blocks``, ``count`` and ``row_shape``), the
 blocks streamed in the units' order whatever order the tasks finish in (``preserve_order``), the
 object store bounded by Ray Data's back-pressure.
 
@@ -16,8 +18,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from raytpu.corpus.packing import Packing, UnitCount, count_unit, unit_blocks
-from raytpu.corpus.sources import Unit
+from raytpu.corpus.packing import Packing, UnitCount
+from raytpu.corpus.sources import CorpusError, Unit
 
 FIELDS = tuple(field.name for field in dataclasses.fields(Unit))
 
@@ -43,30 +45,44 @@ def unit_in(batch: dict[str, Any], index: int) -> Unit:
 
 
 def block_table(ids: np.ndarray, blocks: np.ndarray) -> pa.Table:
-    """Blocks as an arrow table: ``id`` and ``input_ids`` (a fixed-size list per block)."""
+    """Blocks as an arrow table: ``id`` and ``input_ids`` (a fixed-size list per block, of all its
+    values: a row of fields' channels one after the other)."""
     flat = pa.array(blocks.reshape(-1))
-    return pa.table({"id": pa.array(ids), "input_ids": pa.FixedSizeListArray.from_arrays(flat, blocks.shape[1])})
+    size = int(np.prod(blocks.shape[1:]))
+    return pa.table({"id": pa.array(ids), "input_ids": pa.FixedSizeListArray.from_arrays(flat, size)})
 
 
-def blocks_of(table: pa.Table, length: int) -> np.ndarray:
-    """The ``(n, length)`` blocks of a :func:`block_table` table."""
+def blocks_of(table: pa.Table, shape: tuple[int, ...]) -> np.ndarray:
+    """The ``(n, *shape)`` blocks of a :func:`block_table` table."""
     column = table.column("input_ids").combine_chunks()
-    return column.flatten().to_numpy(zero_copy_only=False).reshape(-1, length)
+    return column.flatten().to_numpy(zero_copy_only=False).reshape(-1, *shape)
 
 
 def pack_rows(batch: dict[str, Any], packing: Packing) -> Iterator[pa.Table]:
     """Ray Data's map function: the blocks of each unit row, as they are packed."""
     for index in range(len(batch["path"])):
         unit, skip, first = unit_in(batch, index), int(batch["skip"][index]), int(batch["first_id"][index])
-        for blocks in unit_blocks(unit, packing, skip):
+        for blocks in packing.blocks(unit, skip):
             yield block_table(np.arange(first, first + len(blocks), dtype=np.int64), blocks)
             first += len(blocks)
 
 
+COUNTS = tuple(field.name for field in dataclasses.fields(UnitCount))
+
+
 def count_rows(batch: dict[str, Any], packing: Packing) -> dict[str, np.ndarray]:
-    """Ray Data's map function of the index: each unit's counts."""
-    counts = [count_unit(unit_in(batch, index), packing) for index in range(len(batch["path"]))]
-    return {name: np.array([getattr(count, name) for count in counts]) for name in ("documents", "tokens", "blocks")}
+    """Ray Data's map function of the index: each unit's counts, or why it cannot be read (a
+    :class:`CorpusError`'s message, handed back as data: Ray Data's error would wrap it in a traceback)."""
+    counts, errors = [], []
+    for index in range(len(batch["path"])):
+        try:
+            counts.append(packing.count(unit_in(batch, index)))
+            errors.append("")
+        except CorpusError as exc:
+            counts.append(UnitCount(0, 0, 0))
+            errors.append(str(exc))
+    columns = {name: np.array([getattr(count, name) for count in counts]) for name in COUNTS}
+    return {"error": np.array(errors), **columns}
 
 
 def quiet_ray_data() -> None:
@@ -97,16 +113,19 @@ def count_units(units: Sequence[Unit], packing: Packing) -> list[UnitCount]:
     if not units:
         return []
     counted = dataset_of(rows_of(units), count_rows, packing).take_all()
-    return [UnitCount(int(row["documents"]), int(row["tokens"]), int(row["blocks"])) for row in counted]
+    error = next((str(row["error"]) for row in counted if row["error"]), "")
+    if error:
+        raise CorpusError(error)
+    return [UnitCount(**{name: int(row[name]) for name in COUNTS}) for row in counted]
 
 
 def block_stream(units: Sequence[Unit], packing: Packing, skip: int = 0) -> Iterator[np.ndarray]:
-    """The blocks of ``units``, in order (less ``skip`` of the first), as ``(n, length)`` arrays."""
+    """The blocks of ``units``, in order (less ``skip`` of the first), as ``(n, *row_shape)`` arrays."""
     if not units:
         return
     dataset = dataset_of(rows_of(units, skip), pack_rows, packing)
     for table in dataset.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2):
-        yield blocks_of(table, packing.length)
+        yield blocks_of(table, packing.row_shape)
 
 
 def numbered_blocks(units: Sequence[Unit], counts: Sequence[int], packing: Packing, limit: int = 0) -> Any:

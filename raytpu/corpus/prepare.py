@@ -16,6 +16,7 @@ from typing import Any
 
 from raytpu.config import Config
 from raytpu.corpus.index import CorpusIndex, Sources, corpus_index, find_sources, sample_texts
+from raytpu.corpus.rows import RowEncoder
 from raytpu.corpus.sources import documents, fingerprint, records
 from raytpu.errors import ConfigError
 from raytpu.job import Job, ReadsText, TakesRecords
@@ -85,13 +86,14 @@ def prepare_text(cfg: Config, job: Job) -> Path:
     root = text_root(cfg, job)
     sources = find_sources(cfg, job)
     if takes_records(cfg, job, sources):  # the job reads, checks and tokenizes its rows itself
-        if streamed(cfg, job):
-            raise ConfigError(
-                "rows of conversations or prompts and completions (or --packing) train on the torch path: drop "
-                "--streaming (data.loader=torch)"
-            )
         assert isinstance(job, TakesRecords)
-        job.prepare_records(cfg, root, sources)
+        try:
+            if streamed(cfg, job):  # read and tokenized in the corpus path's tasks; the first rows now
+                job.stream_records(cfg, root, sources)
+            else:
+                job.prepare_records(cfg, root, sources)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return root
     check_readable(sources, cfg.data.text_column)
     encoder = encoder_of(cfg, job, root, sources)
@@ -111,24 +113,33 @@ def takes_records(cfg: Config, job: Job, sources: Sources) -> bool:
 
 
 def text_index(cfg: Config, job: Job, root: Path) -> tuple[CorpusIndex, Any]:
-    """The corpus index (counted by Ray Data tasks when the files or options changed) and the encoder."""
+    """The corpus index (counted by Ray Data tasks when the files or options changed) and the
+    encoder: of text, or the job's of its rows."""
     assert isinstance(job, ReadsText)
     sources = find_sources(cfg, job)
-    encoder = encoder_of(cfg, job, root, sources)
+    if takes_records(cfg, job, sources):
+        assert isinstance(job, TakesRecords)
+        encoder = job.row_encoder(cfg, root)
+    else:
+        encoder = encoder_of(cfg, job, root, sources)
     return corpus_index(root, sources, encoder, job.block_length(cfg), cfg.data.text_column), encoder
 
 
 def text_sizes(cfg: Config, job: Job, root: Path, mode: str) -> dict[str, int]:
     """Blocks in each split a streamed run reads (after joining Ray): the training blocks, and the
     validation blocks evaluated (``data.max_eval_samples`` at most)."""
-    index, _ = text_index(cfg, job, root)
+    index, encoder = text_index(cfg, job, root)
     limit = cfg.data.max_eval_samples
     valid = min(index.valid_blocks, limit) if limit else index.valid_blocks
+    rows = isinstance(encoder, RowEncoder)
     if not index.train_blocks:
+        less = "no row with a token to train on" if rows else "fewer tokens than one block"
         raise ConfigError(
-            f"{corpus_words(cfg, job, root, 0)} holds fewer tokens than one block; add text or lower job.seq_len "
-            "(--block_size)"
+            f"{corpus_words(cfg, job, root, 0)} holds {less}; add text or lower job.seq_len (--block_size)"
         )
+    cut = sum(count.cut for count in index.train_counts)
+    if cut and mode == "train":
+        print(f"raytpu: {cut} training example(s) longer than {job.block_length(cfg)} tokens were cut", flush=True)
     return {"train": index.train_blocks, "valid": valid} if mode == "train" else {"test": valid}
 
 

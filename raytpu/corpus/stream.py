@@ -1,7 +1,10 @@
 """One worker's share of a streamed corpus (``data.loader: ray`` with ``data.train_files``): the
 ``WorkerData`` the loop reads (``raytpu.worker.data``).
 
-Each step's blocks come from the run's feeder (``raytpu.corpus.feeder``), asked
+A block is a text block's ids, or a packed row of fields (``raytpu.corpus.rows``: ids, labels and
+each token's document), which becomes the batch a fine-tuning job trains on: ``input_ids``,
+``labels``, ``position_ids`` (counted from 0 in each document) and ``segments``, as the torch path's
+rows are. Each step's blocks come from the run's feeder (``raytpu.corpus.feeder``), asked
 ``data.prefetch_batches`` steps ahead; a resumed run asks for the step it resumes at, so nothing
 consumed before it is sent again. Eval sets are the driver's numbered blocks in the object store,
 read whole by every worker, each keeping the blocks ``id % workers == rank``.
@@ -36,7 +39,8 @@ class CorpusStream:
         self.iterators = iterators
         self.feeder = find_feeder(feeder) if feeder else None  # a test reads no training blocks
         self.accum = cfg.loop.grad_accum
-        self.steps = int(self._get(self.feeder.describe.remote())["steps"]) if feeder else 0
+        described = self._get(self.feeder.describe.remote()) if feeder else {"steps": 0, "shape": [length]}
+        self.steps, self.shape = int(described["steps"]), tuple(described["shape"])
 
     @staticmethod
     def _get(ref: Any) -> Any:
@@ -57,7 +61,7 @@ class CorpusStream:
         return self.steps * self.accum
 
     def sample(self) -> Batch:
-        return {"input_ids": torch.zeros(self.length, dtype=torch.int64)}
+        return {name: value[0] for name, value in batch_of(np.zeros((1, *self.shape), np.int64)).items()}
 
     def epoch(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
         """The micro-batches of ``epoch`` from step ``skip / accum`` on."""
@@ -71,7 +75,7 @@ class CorpusStream:
                 following += 1
             rows = np.asarray(self._get(asked.popleft()))
             for micro in np.split(rows, self.accum):
-                yield {"input_ids": torch.from_numpy(micro.astype(np.int64))}
+                yield batch_of(micro)
 
     def eval_batches(self, split: str) -> EvalBatches:
         if split not in self.iterators:
@@ -79,10 +83,21 @@ class CorpusStream:
         length = self.length
 
         def decode(columns: dict[str, Any], epoch: int) -> Batch:
-            return {"input_ids": torch.from_numpy(np.asarray(columns["input_ids"], dtype=np.int64))}
+            blocks = np.asarray(columns["input_ids"])  # (n, channels, length): one channel for text
+            return batch_of(blocks[:, 0] if blocks.shape[1] == 1 else blocks)
 
         batch = BatchPlan.of(self.cfg).eval_per_worker
         prefetch = self.cfg.data.prefetch_batches
         return EvalBatches(
-            self.iterators[split], decode, {"input_ids": [length]}, self.rank, self.world, batch, prefetch
+            self.iterators[split], decode, {"input_ids": [-1, length]}, self.rank, self.world, batch, prefetch
         )
+
+
+def batch_of(blocks: np.ndarray) -> Batch:
+    """Text blocks ``(n, length)`` as ``input_ids``; packed rows ``(n, channels, length)`` as a
+    fine-tuning batch."""
+    if blocks.ndim == 2:
+        return {"input_ids": torch.from_numpy(blocks.astype(np.int64))}
+    from raytpu.corpus.rows import rows_batch
+
+    return rows_batch(blocks)
