@@ -77,6 +77,9 @@ def test_mshnet_trains_on_two_workers_and_tests(ray_session, tmp_path, capsys):
     events.Reload()
     assert any(tag.startswith("valid/") for tag in events.Tags()["images"])
     assert {"valid/mIoU", "valid/nIoU", "valid/Pd", "valid/Fa"} <= set(summary.metrics)
+    # the session's instance is one node without an autoscaler: no node to drain, no watcher for it
+    started = {actor["ActorClassName"] for actor in ray_session._private.state.actors().values()}
+    assert "TrainController" in started and "PreemptionWatcher" not in started, started
 
     # test mode through Ray Data (tables prepared from the same images): MSHNet validates on the
     # test split, so the same weights give the same numbers as the torch path's last evaluation

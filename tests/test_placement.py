@@ -209,3 +209,21 @@ def test_per_device_batches_count_the_chips_a_worker_is_given() -> None:
     cfg, _ = load_config(SMALL, ["scaling.num_workers=1", "--per_device_train_batch_size", "2"])
     placement = place("auto", 1, "spmd", False, autoscaling())
     assert resolve_config(cfg, "xla", "bf16", placement).data.global_batch_size == 2 * 8
+
+
+def test_ray_train_s_preemption_watcher_only_where_a_node_can_be_drained(monkeypatch) -> None:
+    """One node and no autoscaler (raytpu's local instance) has no node to drain: the watcher is left
+    out; several nodes, an autoscaler's node types or nodes not known keep it; the user's setting stays."""
+    from raytpu.driver import ray_trainer
+
+    monkeypatch.delenv(ray_trainer.PREEMPTION_WATCHER, raising=False)
+    monkeypatch.setattr(ray_trainer, "_WATCHER_SET", [False])
+    one = ClusterOffer(nodes=({"CPU": 2.0},), available={"CPU": 2.0}, this_machine=True)
+    two = ClusterOffer(nodes=({"CPU": 2.0}, {"CPU": 2.0}))
+    for offer, watched in ((one, False), (two, True), (autoscaling(), True), (ClusterOffer(), True), (one, False)):
+        ray_trainer.watch_preemption(offer)
+        assert ("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in ray_trainer.os.environ) == watched, offer
+    monkeypatch.setenv(ray_trainer.PREEMPTION_WATCHER, "1")
+    monkeypatch.setattr(ray_trainer, "_WATCHER_SET", [False])
+    ray_trainer.watch_preemption(one)
+    assert ray_trainer.os.environ[ray_trainer.PREEMPTION_WATCHER] == "1"

@@ -8,6 +8,7 @@ retention rule, ``raytpu.worker.reporting``) and retries (``FailureConfig``) all
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from pathlib import Path
@@ -19,7 +20,7 @@ from raytpu.errors import RunFailed, error_line, fixable_line
 from raytpu.records.batches import ray_max_failures
 from raytpu.records.checkpoints import full_disk_in
 from raytpu.runtime.kinds import kind_of
-from raytpu.runtime.placement import Bundle
+from raytpu.runtime.placement import Bundle, ClusterOffer
 from raytpu.storage.filesystems import filesystem, is_remote
 
 #: Ray Train's resize monitor of an elastic run, which raytpu leaves idle: it would stop a growing
@@ -57,6 +58,35 @@ def workers_text(cfg: Config, smallest: bool = False) -> str:
     return f"{count} {cfg.scaling.runtime} worker(s)"
 
 
+#: Ray Train's switch of its preemption watcher: an actor for each worker group that polls Ray for
+#: nodes being drained (a spot VM reclaimed), so that the group stops before they go
+PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+#: whether raytpu set :data:`PREEMPTION_WATCHER` (never a value the user set)
+_WATCHER_SET: list[bool] = [False]
+
+
+def drains_nodes(offer: ClusterOffer) -> bool:
+    """Whether a node of the cluster can be drained while a run lives on it: where there are several,
+    or an autoscaler that starts (and reclaims) more, or the nodes are not known. One node and no
+    autoscaler (raytpu's local instance, one machine) has none to drain but the one the run is on."""
+    return len(offer.nodes) != 1 or bool(offer.node_types)
+
+
+def watch_preemption(offer: ClusterOffer) -> None:
+    """Ray Train's preemption watcher only where a node can be drained (:func:`drains_nodes`):
+    elsewhere it is a process of its own for each run, seconds of CPU starting, that has nothing to
+    watch. Set in this process's environment, which Ray Train passes on to the controller of the
+    trainer built next (in a Tune trial, the trial's); the user's own setting stays."""
+    if PREEMPTION_WATCHER in os.environ and not _WATCHER_SET[0]:
+        return
+    if drains_nodes(offer):
+        os.environ.pop(PREEMPTION_WATCHER, None)
+        _WATCHER_SET[0] = False
+    else:
+        os.environ[PREEMPTION_WATCHER] = "0"
+        _WATCHER_SET[0] = True
+
+
 def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
     """A ``TorchTrainer`` that runs ``plan`` on its workers (with the Ray Datasets of
     ``data.loader=ray``, whose names the workers' plan then lists)."""
@@ -66,6 +96,7 @@ def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
     from raytpu.worker.entry import ray_entry
 
     cfg = plan.config
+    watch_preemption(plan.facts.offer)
     datasets = ray_datasets(plan)
     scored = plan.mode == "train"
     checkpoints = CheckpointConfig(
