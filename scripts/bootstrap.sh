@@ -50,6 +50,10 @@ PY
     .venv/bin/python -m pip install --quiet -e ".[$EXTRAS]" "torch==2.9.0"
     touch "$marker"
 fi
+# raytpu's own sources compiled to bytecode once (pip compiles site-packages, not an editable
+# install's folders): every process that imports them, each Ray worker among them, then reads the
+# bytecode, also where PYTHONDONTWRITEBYTECODE keeps Python from writing it (Docker images set it)
+.venv/bin/python -m compileall -q -j 0 raytpu jobs examples > /dev/null
 TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv/bin/python - <<'PY'
 import importlib.util
 

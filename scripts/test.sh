@@ -13,4 +13,5 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 bash scripts/bootstrap.sh
 .venv/bin/ruff check .
+.venv/bin/python -m compileall -q -j 0 tests bench > /dev/null  # as bootstrap.sh compiles raytpu's
 exec .venv/bin/python -m pytest -ra --durations=25 -n 2 --dist loadfile --no-loadscope-reorder "${markers[@]}" "$@"
