@@ -118,7 +118,8 @@ def tune(
     The tune flags (``--samples 8``, ``--search optim.lr=loguniform(1e-4,1e-2)``...) are
     overrides like any other."""
     from raytpu.cluster.connect import ray_for_this_command
-    from raytpu.driver.tune import split_flags, sweep
+    from raytpu.driver.search import split_flags
+    from raytpu.driver.tune import sweep
 
     with user_errors():
         rest, tuned, flag_address = split_flags(flat(overrides))

@@ -97,7 +97,7 @@ def flag_list() -> str:
 
 def tune_flag_list() -> str:
     from raytpu.config.flag_list import flag_list
-    from raytpu.driver.tune import FLAGS
+    from raytpu.driver.search import FLAGS
 
     return flag_list(FLAGS, "tune")
 

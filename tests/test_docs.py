@@ -254,7 +254,7 @@ def cli() -> Cli:
     from raytpu.cli import build_parser
     from raytpu.config.args import take_both_spellings
     from raytpu.config.loading import COMMON_ALIASES
-    from raytpu.driver.tune import FLAGS
+    from raytpu.driver.search import FLAGS
     from raytpu.job import load_job
 
     parser = build_parser()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from raytpu.cluster import connect
+from raytpu.cluster import connect, probe
 from raytpu.driver import doctor
 from tests.conftest import run_python
 
@@ -56,7 +56,7 @@ def test_json_report_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None
     assert isinstance(report["devices"]["tpu"]["chips"], int)
     assert report["auto"]["runtime"] in ("cpu", "cuda", "xla")
     assert report["auto"]["precision"] == {"cpu": "fp32", "cuda": "bf16", "xla": "bf16"}[report["auto"]["runtime"]]
-    assert report["cluster"] == {"address": None, "reachable": None, "message": connect.NO_CLUSTER, "nodes": []}
+    assert report["cluster"] == {"address": None, "reachable": None, "message": probe.NO_CLUSTER, "nodes": []}
     assert report["blocking"] is False
     assert not [p for p in report["problems"] if p["blocking"]]
 
@@ -64,7 +64,7 @@ def test_json_report_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None
 def test_table_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
     assert doctor.main([]) == 0
     out = capsys.readouterr().out
-    assert f"cluster    {connect.NO_CLUSTER}" in out
+    assert f"cluster    {probe.NO_CLUSTER}" in out
     assert out.rstrip().endswith("result     ok")
     for name in ("python", "torch", "torch_xla", "ray", "tpu", "cuda", "cpu", "auto"):
         assert any(line.startswith(f"{name} ") for line in out.splitlines()), name
@@ -127,7 +127,7 @@ def test_exit_code() -> None:
 def test_blocking_problems() -> None:
     match_ok = doctor.check_torch_xla_match("2.9.0", "2.9.0")
     mismatch = doctor.check_torch_xla_match("2.14.1", "2.9.0")
-    no_cluster = connect.check_cluster(None)
+    no_cluster = probe.check_cluster(None)
     unreachable = {"address": "h:6379", "reachable": False, "message": "cannot reach h:6379", "nodes": []}
     warning = doctor.problem("tensorflow", "careful", blocking=False)
     assert doctor.gather_problems(match_ok, [warning], no_cluster) == [warning]
@@ -221,7 +221,7 @@ def test_cluster_that_never_answers_times_out(silent_server: int, monkeypatch: p
 @pytest.mark.integration
 def test_reaches_a_running_cluster(ray_session) -> None:
     address = ray_session.get_runtime_context().gcs_address
-    found = connect.check_cluster(address, timeout=120)
+    found = probe.check_cluster(address, timeout=120)
     assert found["reachable"] is True, found["message"]
     assert found["nodes"] and found["nodes"][0]["alive"] is True
     assert found["totals"]["CPU"] >= 1

@@ -41,7 +41,7 @@ def test_train_help_lists_every_flag_under_its_heading_with_its_key(train_help):
 
 
 def test_tune_help_lists_its_own_flags_first_and_its_name_once():
-    from raytpu.driver.tune import FLAGS as TUNE_FLAGS
+    from raytpu.driver.search import FLAGS as TUNE_FLAGS
 
     text = cli.build_parser()._subparsers._group_actions[0].choices["tune"].format_help()
     assert text.index("raytpu tune's flags:") < text.index("raytpu's short flags:")

@@ -17,9 +17,9 @@ import pytest
 
 from raytpu import cli
 from raytpu.config import ConfigError, load_config, with_values
-from raytpu.driver.search import Search, mutations_of, parse_search, searches_of
+from raytpu.driver.search import Search, mutations_of, parse_search, searches_of, split_flags
 from raytpu.driver.trial import scaled_lr, trial_config
-from raytpu.driver.tune import format_table, max_concurrent_trials, reports_per_trial, split_flags
+from raytpu.driver.tune import format_table, max_concurrent_trials, reports_per_trial
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = str(ROOT / "jobs/mshnet/small.yaml")

@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from raytpu.cluster.connect import DEFAULT_TIMEOUT_S, check_cluster, one_line, resolve_address
+from raytpu.cluster.connect import DEFAULT_TIMEOUT_S, one_line, resolve_address
+from raytpu.cluster.probe import check_cluster
 from raytpu.runtime.tpu import parse_pod_type
 
 LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"

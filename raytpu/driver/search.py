@@ -1,15 +1,17 @@
-"""How ``raytpu tune`` searches: search spaces (``KEY=DOMAIN(ARGS)`` strings parsed, checked
-against the config before any trial starts, and turned into Ray Tune domains), the search
+"""How ``raytpu tune`` searches: its flags, search spaces (``KEY=DOMAIN(ARGS)`` strings parsed,
+checked against the config before any trial starts, and turned into Ray Tune domains), the search
 algorithm and the trial scheduler."""
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from raytpu.config import Config, ConfigError, with_values
+from raytpu.config.args import extract
 from raytpu.config.plan import Plan
 from raytpu.config.validation import validate
 from raytpu.errors import install_hint
@@ -17,6 +19,24 @@ from raytpu.job import Job
 
 if TYPE_CHECKING:
     from raytpu.driver.tune import Sweep
+
+#: ``raytpu tune`` flags -> ``tune.*`` keys (they win over a job's seed-flag aliases of the same name)
+FLAGS = {
+    "--samples": "tune.num_samples",
+    "--metric": "tune.metric",
+    "--mode": "tune.mode",
+    "--scheduler": "tune.scheduler",
+    "--max-concurrent": "tune.max_concurrent",
+    "--name": "tune.name",
+    "--lr-scaling": "tune.lr_scaling",
+    "--max-t": "tune.max_t",
+    "--grace-period": "tune.grace_period",
+    "--reduction-factor": "tune.reduction_factor",
+    "--search-alg": "tune.search_alg",
+    "--perturbation-interval": "tune.perturbation_interval",
+    "--quantile-fraction": "tune.quantile_fraction",
+}
+
 
 #: domain name -> number of arguments (None = one or more)
 DOMAINS: dict[str, int | None] = {"choice": None, "grid": None, "uniform": 2, "loguniform": 2, "randint": 2}
@@ -276,3 +296,16 @@ def trial_scheduler(sweep: Sweep) -> Any:
             quantile_fraction=tc.quantile_fraction,
         )
     return FIFOScheduler()
+
+
+def split_flags(overrides: list[str]) -> tuple[list[str], list[str], str | None]:
+    """Pull the tune flags (and ``--address``) out of the overrides: (overrides, tune overrides, address)."""
+    repeated = ["--search", "--mutate"]
+    rest, found = extract(overrides, valued=[*FLAGS, "--address"], repeated=repeated, switches=["--verbose"])
+    tuned = [f"{FLAGS[flag]}={values[0]}" for flag, values in found.items() if flag in FLAGS]
+    tuned += ["logging.verbose=true"] if "--verbose" in found else []
+    for flag, key in (("--search", "tune.search"), ("--mutate", "tune.mutations")):
+        domains = {parse_search(text).key: text.split("=", 1)[1].strip() for text in found.get(flag, [])}
+        if domains:
+            tuned.append(f"{key}=" + json.dumps(domains))  # JSON is a YAML flow mapping
+    return rest, tuned, found.get("--address", [None])[0]

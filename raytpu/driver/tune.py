@@ -28,14 +28,12 @@ from ray.tune import Callback
 from raytpu.cluster.capacity import read_offer
 from raytpu.cluster.connect import joined_here, one_line
 from raytpu.config import Config, ConfigError, TuneSettings, dump_yaml, with_values
-from raytpu.config.args import extract
 from raytpu.config.plan import storage_of, worker_range
 from raytpu.driver.ray_trainer import ray_storage, wait_for_workers, worker_bundles
 from raytpu.driver.search import (
     REPORT_COUNT,
     Search,
     mutations_of,
-    parse_search,
     search_algorithm,
     searches_of,
     trial_scheduler,
@@ -55,24 +53,6 @@ from raytpu.storage.run_folder import RunFolder
 #: the CPUs: with any CPU here, 2 workers x 1 CPU never fit a 2-CPU machine) and 1 MiB of memory,
 #: because Tune refuses a trial that reserves nothing at all
 DRIVER_RESOURCES = {"CPU": 0.0, "memory": float(2**20)}
-
-#: ``raytpu tune`` flags -> ``tune.*`` keys (they win over a job's seed-flag aliases of the same name)
-FLAGS = {
-    "--samples": "tune.num_samples",
-    "--metric": "tune.metric",
-    "--mode": "tune.mode",
-    "--scheduler": "tune.scheduler",
-    "--max-concurrent": "tune.max_concurrent",
-    "--name": "tune.name",
-    "--lr-scaling": "tune.lr_scaling",
-    "--max-t": "tune.max_t",
-    "--grace-period": "tune.grace_period",
-    "--reduction-factor": "tune.reduction_factor",
-    "--search-alg": "tune.search_alg",
-    "--perturbation-interval": "tune.perturbation_interval",
-    "--quantile-fraction": "tune.quantile_fraction",
-}
-
 
 # ------------------------------------------------------------------ trials
 def reports_per_trial(cfg: Config) -> int:
@@ -499,17 +479,3 @@ def write_hparams(sweep: Sweep, rows: list[dict[str, Any]]) -> None:
             for summary in hparams(values, {sweep.metric: row[sweep.metric]}):
                 writer.file_writer.add_summary(summary)
         trial.sync("tensorboard")
-
-
-# -------------------------------------------------------------------- CLI
-def split_flags(overrides: list[str]) -> tuple[list[str], list[str], str | None]:
-    """Pull the tune flags (and ``--address``) out of the overrides: (overrides, tune overrides, address)."""
-    repeated = ["--search", "--mutate"]
-    rest, found = extract(overrides, valued=[*FLAGS, "--address"], repeated=repeated, switches=["--verbose"])
-    tuned = [f"{FLAGS[flag]}={values[0]}" for flag, values in found.items() if flag in FLAGS]
-    tuned += ["logging.verbose=true"] if "--verbose" in found else []
-    for flag, key in (("--search", "tune.search"), ("--mutate", "tune.mutations")):
-        domains = {parse_search(text).key: text.split("=", 1)[1].strip() for text in found.get(flag, [])}
-        if domains:
-            tuned.append(f"{key}=" + json.dumps(domains))  # JSON is a YAML flow mapping
-    return rest, tuned, found.get("--address", [None])[0]
