@@ -77,6 +77,18 @@ def test_a_command_s_start_up_splits_at_its_first_attempt_s_marks():
     assert set(clock.attempt(final=False)["marks"]) == {"process", "clock", "built"}
 
 
+def test_a_process_s_start_is_its_age_before_the_wall_clock_s_now(monkeypatch):
+    """A process that slept 1 s before asking started at least 1 s before it asked, and its start is
+    its age before the wall clock's now (never the boot time plus its age, which the kernel rounds)."""
+    done = run_python(["-c", "import time; time.sleep(1); from raytpu.records.goodput import process_started; "
+                       "print(time.time() - process_started())"])  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert 1 < float(done.stdout) < 30  # the interpreter's start, the sleep and the import
+    real, before = time.time, goodput.process_started()
+    monkeypatch.setattr(goodput.time, "time", lambda: real() + 240.0)  # the wall clock set 4 minutes forward
+    assert goodput.process_started() - before == pytest.approx(240.0, abs=1.0)
+
+
 def test_an_attempt_recorded_inside_a_phase_counts_the_phase_up_to_then():
     """The loop records its attempt before a checkpoint becomes resumable (a worker killed right
     after it loses none of the attempt), while the checkpointing phase is still running."""
