@@ -6,6 +6,7 @@ side by side: tests/test_ingest_ray.py; failures, kills, signals and resumes: te
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,15 @@ def scalar_events(run_dir: Path, tag: str) -> list:
     return events.Scalars(tag)
 
 
+def actors_since(ray_session, started: float) -> list[str]:
+    """The classes of the actors the session's instance started since ``started`` (seconds)."""
+    actors = ray_session._private.state.actors().values()
+    return [actor["ActorClassName"] for actor in actors if actor["StartTime"] >= started * 1000]
+
+
 def test_mshnet_trains_on_two_workers_and_tests(ray_session, tmp_path, capsys):
     cfg, job = configure(tmp_path, "two-workers", "loop.epochs=4", "job.warm_epoch=-1")
+    began = time.time()
     summary = commands.train(cfg, job)
     run_dir = Path(summary.run_dir)
     assert (run_dir / "config.yaml").is_file()
@@ -77,9 +85,12 @@ def test_mshnet_trains_on_two_workers_and_tests(ray_session, tmp_path, capsys):
     events.Reload()
     assert any(tag.startswith("valid/") for tag in events.Tags()["images"])
     assert {"valid/mIoU", "valid/nIoU", "valid/Pd", "valid/Fa"} <= set(summary.metrics)
-    # the session's instance is one node without an autoscaler: no node to drain, no watcher for it
-    started = {actor["ActorClassName"] for actor in ray_session._private.state.actors().values()}
-    assert "TrainController" in started and "PreemptionWatcher" not in started, started
+    # the session's instance: one node without an autoscaler (no node to drain: no preemption watcher)
+    # and without a dashboard (no state API: no placement-group cleaner); the run reads no Ray
+    # Dataset (no dataset manager)
+    started = set(actors_since(ray_session, began))
+    assert "TrainController" in started, started
+    assert not started & {"PreemptionWatcher", "PlacementGroupCleaner", "DatasetManager"}, started
 
     # test mode through Ray Data (tables prepared from the same images): MSHNet validates on the
     # test split, so the same weights give the same numbers as the torch path's last evaluation
@@ -116,6 +127,7 @@ def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(r
     )
     job.synthesize(tmp_path / "cdeit", **job.synth_options(cfg))  # not ./data/cdeit of the checkout
     assert cli.main(["data", "prepare", "cdeit", "--src", str(tmp_path / "cdeit"), "--out", tables]) == 0
+    began = time.time()
     summary = commands.train(cfg, job)
     assert "reading cdeit's parquet tables through Ray Data (data.loader=ray)" in capsys.readouterr().out
     assert Path(summary.best_checkpoint, "ema.safetensors").is_file()
@@ -123,6 +135,8 @@ def test_cdeit_trains_through_ray_data_on_two_workers_and_samples_in_test_mode(r
     assert (latest["step"], latest["epoch"]) == (8, 2)  # 32 samples, 4 steps an epoch
     assert {event.step for event in scalar_events(Path(summary.run_dir), "train/loss")} == set(range(1, 9))
     assert "valid/val_loss" in summary.metrics
+    started = actors_since(ray_session, began)
+    assert "DatasetManager" in started, started  # the run reads Ray Datasets: their shards' actor stays
 
     torch_path = {"data.path": str(tmp_path / "cdeit"), "data.loader": "torch"}  # test mode through the torch path
     cfg = with_values(cfg, {**torch_path, "checkpoint.weights": summary.best_checkpoint})

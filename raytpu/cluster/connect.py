@@ -31,6 +31,8 @@ GCS_PORT = "RAY_GCS_SERVER_PORT"
 GCS_ADDRESS = re.compile(r"^[\w.-]+:\d+$")
 #: the addresses of the local instances this process started
 STARTED_HERE: list[str] = []
+#: the clusters this process joined -> their dashboard's address ("": none)
+DASHBOARDS: dict[str, str] = {}
 #: whether a local Ray instance this process starts outlives the command that started it: from
 #: Python (a notebook's next call reuses it, and it stops with the process), not on the command line
 KEEP_LOCAL = contextvars.ContextVar("raytpu_keep_local_ray", default=True)
@@ -142,7 +144,7 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False, das
         quiet_ray()
     try:
         # no address: a new local instance, never another one found on this machine (a user's `ray start`)
-        ray.init(address=address or "local", **kwargs)
+        context = ray.init(address=address or "local", **kwargs)
     except ConnectionError as exc:
         reason = " ".join(str(exc).split())[:200]
         raise ConfigError(f"cannot join a Ray cluster at {address!r}: {reason}{token_hint()}") from exc
@@ -153,6 +155,7 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False, das
                 os.environ.pop(API_SERVER, None)
     # and so do the driver's later lookups (Tune, Ray Train's threads in this process)
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    DASHBOARDS[os.environ["RAY_ADDRESS"]] = context.dashboard_url or ""
     if local:
         STARTED_HERE.append(os.environ["RAY_ADDRESS"])
         if KEEP_LOCAL.get():
@@ -271,6 +274,13 @@ def ray_for_this_command() -> Iterator[None]:
 def joined() -> str:
     """The cluster this process joined, in words: the local instance it started, or the one at an address."""
     return "the local Ray instance" if joined_here() else f"the Ray cluster at {os.environ.get('RAY_ADDRESS', '')}"
+
+
+def serves_state_api() -> bool | None:
+    """Whether the cluster this process joined serves Ray's state API (its dashboard does); None
+    where this process did not join it through :func:`connect` (a Tune trial's)."""
+    dashboard = DASHBOARDS.get(os.environ.get("RAY_ADDRESS", ""))
+    return None if dashboard is None else bool(dashboard)
 
 
 def joined_here() -> bool:

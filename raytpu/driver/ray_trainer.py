@@ -8,6 +8,7 @@ retention rule, ``raytpu.worker.reporting``) and retries (``FailureConfig``) all
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -125,7 +126,7 @@ def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
         logging_config=LoggingConfig(log_level="INFO" if cfg.logging.verbose else "WARNING"),
         callbacks=callbacks,
     )
-    return TorchTrainer(
+    return trainer_class(TorchTrainer)(
         ray_entry,
         train_loop_config=plan.as_dict(),
         scaling_config=ScalingConfig(**scaling_kwargs(cfg)),
@@ -133,6 +134,38 @@ def build_trainer(plan: Plan, callbacks: list[Any] | None = None) -> Any:
         run_config=run_config,
         **datasets,
     )
+
+
+@functools.cache
+def trainer_class(torch_trainer: type) -> type:
+    """Ray Train's ``TorchTrainer`` without the controller callbacks that have nothing to do in the run
+    (:func:`idle_callbacks`). Each starts an actor of its own for every run (about 2-3 s of CPU on
+    a small machine, importing Ray Train); ``tests/test_integration_ray.py`` checks that a run on
+    a dashboard-less instance starts neither, so that a Ray upgrade that moves them fails a test."""
+
+    class Trainer(torch_trainer):
+        def _create_default_callbacks(self) -> list[Any]:
+            idle = idle_callbacks(bool(self.datasets))
+            return [callback for callback in super()._create_default_callbacks() if not isinstance(callback, idle)]
+
+    Trainer.__name__ = Trainer.__qualname__ = torch_trainer.__name__
+    return Trainer
+
+
+def idle_callbacks(has_datasets: bool) -> tuple[type, ...]:
+    """The default callbacks of a ``TorchTrainer`` that would idle: its datasets' (an actor that
+    hands out Ray Dataset shards) in a run without Ray Datasets, and its placement-group cleaner's
+    (an actor that asks Ray's state API whether the run's controller is alive, to remove the
+    group of one that died) on a cluster without the state API, where it could never tell."""
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from raytpu.cluster.connect import serves_state_api
+
+    idle: list[type] = [] if has_datasets else [DatasetsCallback]
+    if serves_state_api() is False:
+        idle.append(PlacementGroupCleanerCallback)
+    return tuple(idle)
 
 
 def ray_storage(storage: str) -> dict[str, Any]:
