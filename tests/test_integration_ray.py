@@ -187,3 +187,22 @@ def test_another_job_s_workers_never_ask_another_instance_s_dashboard(ray_sessio
     port = int(url.rsplit(":", 1)[1])
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_a_local_instance_s_log_monitor_looks_for_new_log_files_every_half_second(ray_session):
+    """Ray's log monitor lists its logs folder ten times a second until it holds a thousand files;
+    raytpu's local instance starts it listing every 0.5 s (the setting is the monitor's alone)."""
+    import os
+
+    logs = str(Path(ray_session._private.worker._global_node.get_session_dir_path()) / "logs")
+    monitors = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if "log_monitor.py" in command and logs in command:
+                monitors.append(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+    assert len(monitors) == 1, monitors
+    assert b"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0" in monitors[0]
+    assert "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD" not in os.environ
