@@ -398,19 +398,24 @@ def test_streamed_conversations_on_two_ray_workers_take_the_torch_path_s_first_s
 ):
     """Conversations streamed by Ray Data (``--streaming``) to 2 Ray workers, packed, assistant-only
     loss, the whole set one global batch: the first step's loss is the torch path's on the same rows
-    in one process; the held-out prompts are kept for the evaluations; a bad row deep in the file is
-    one line naming it, from the task that read it."""
+    in one process; the evaluation continues held-out prompts through the template; a bad row deep
+    in the file is one line naming it, from the task that read it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     rows = [conversation(i * 7) if i % 3 else {"messages": [*conversation(i)["messages"]] * 3} for i in range(24)]
     train = write_rows(tmp_path / "c.jsonl", rows)
     options = ["--packing", "--assistant_only_loss", "--learning_rate", "1e-3", "data.shuffle=false"]
     ours, count = first_step(model_dir, train, tmp_path, *options)
     code = cli.main(["train", FINETUNE, *words(model_dir, train, *options, "--streaming"), "scaling.num_workers=2",
                      f"data.path={tmp_path / 'streamed'}", "--output_dir", str(tmp_path / "runs"), "run.name=s",
-                     f"data.global_batch_size={count}", "loop.max_steps=1"])  # fmt: skip
+                     f"data.global_batch_size={count}", "loop.max_steps=1", "job.sample_tokens=4"])  # fmt: skip
     assert code == 0
     metrics = json.loads((tmp_path / "runs" / "s" / "summary.json").read_text())["metrics"]
     assert metrics["train/loss"] == pytest.approx(ours, rel=1e-5)  # over both workers
     assert json.loads((tmp_path / "streamed" / sft.STREAMED / sft.PROMPTS).read_text())
+    events = EventAccumulator(str(tmp_path / "runs" / "s" / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    shown = events.Tensors("valid/sample_0/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert shown.startswith("<|im_start|>") and "<|im_start|>assistant\n" in shown, shown
     bad = write_rows(tmp_path / "bad.jsonl", rows * 4 + [{"messages": [{"role": "robot", "content": "hi"}]}])
     code = cli.main(["train", FINETUNE, *words(model_dir, bad, "--streaming"), f"data.path={tmp_path / 'bad'}",
                      "--output_dir", str(tmp_path / "runs"), "run.name=bad"])  # fmt: skip
