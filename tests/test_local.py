@@ -93,3 +93,27 @@ def test_ctrl_c_checkpoints_stops_and_the_same_command_resumes(tmp_path):
     straight, resumed = weights(tmp_path / "straight"), weights(tmp_path / "stopped")
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
+
+
+def test_the_group_meets_at_a_store_the_driver_holds_bound():
+    """The rendezvous port is bound by the driver before any rank starts, and stays bound while the
+    group runs: no other process can take it in between (one did, when rank 0 bound a port the driver
+    had picked and let go)."""
+    import errno
+    import socket
+
+    from torch.distributed import TCPStore
+
+    from raytpu.driver.local import group_store
+
+    store = group_store(2)
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", store.port))
+        except OSError as exc:
+            assert exc.errno == errno.EADDRINUSE
+        else:
+            raise AssertionError(f"port {store.port} was free while the store held it")
+    client = TCPStore("127.0.0.1", store.port, 2, is_master=False)
+    client.set("rank", "1")
+    assert store.get("rank") == b"1"

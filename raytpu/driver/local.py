@@ -14,7 +14,6 @@ import collections
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -76,10 +75,15 @@ class RankOutput:
 Worker = tuple[int, subprocess.Popen, RankOutput]  # rank, process, its output
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def group_store(world: int) -> Any:
+    """The process group's rendezvous store, served by the driver as torchrun's agent serves it
+    (``TORCHELASTIC_USE_AGENT_STORE``: every rank a client): bound where the kernel puts it, so no
+    other process can take its port between the choice and the bind, as one did here while rank 0
+    started up on a port the driver had picked and let go. A fresh one, on a fresh port, for each
+    start of the group: a restarted group must not meet the old one's keys."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
 
 
 def run_processes(plan: Plan, stop: StopOnSignal) -> None:
@@ -93,7 +97,8 @@ def run_processes(plan: Plan, stop: StopOnSignal) -> None:
         plan_file = Path(tmp) / "plan.json"
         plan_file.write_text(json.dumps(plan.as_dict()))
         for attempt in range(restarts + 1):
-            processes, copiers = start_workers(plan, plan_file, logs, fresh_logs=attempt == 0)
+            store = group_store(plan.config.scaling.num_workers)
+            processes, copiers = start_workers(plan, plan_file, logs, store.port, fresh_logs=attempt == 0)
             failed = wait_all(processes, copiers)
             outputs = {rank: output for rank, _, output in processes}
             reduced = any(process.returncode == EXIT_BATCH_REDUCED for _, process, _ in processes)
@@ -106,11 +111,11 @@ def run_processes(plan: Plan, stop: StopOnSignal) -> None:
 
 
 def start_workers(
-    plan: Plan, plan_file: Path, logs: Path, fresh_logs: bool
+    plan: Plan, plan_file: Path, logs: Path, port: int, fresh_logs: bool
 ) -> tuple[list[Worker], list[threading.Thread]]:
-    """One process per rank, on a fresh port (a restarted group must not meet the old one's); a
-    restarted group adds to its ranks' logs."""
-    world, port = plan.config.scaling.num_workers, free_port()
+    """One process per rank, meeting at the driver's store on ``port``; a restarted group adds to
+    its ranks' logs."""
+    world = plan.config.scaling.num_workers
     # intra-op threads per process as Ray gives its workers (their CPUs; torchrun: 1), so that
     # the processes do not oversubscribe the cores; an OMP_NUM_THREADS set by the user wins
     threads = max(1, int(plan.config.scaling.cpus_per_worker))
@@ -119,6 +124,7 @@ def start_workers(
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
+        env.update(TORCHELASTIC_USE_AGENT_STORE="True")
         env.setdefault("OMP_NUM_THREADS", str(threads))
         output = RankOutput(logs / f"rank_{rank}.log", fresh_logs, console=rank == 0)
         command = [sys.executable, "-m", "raytpu.worker.entry", str(plan_file)]
