@@ -21,6 +21,7 @@ import contextvars
 import importlib
 import importlib.util
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,14 +83,40 @@ def weights_arrive_later() -> bool:
 
 
 @contextlib.contextmanager
-def empty_build() -> Iterator[None]:
-    """Build a model whose weights arrive later (:func:`weights_arrive_later`), on the meta device."""
+def empty_build(real_buffers: bool = False) -> Iterator[None]:
+    """Build a model whose weights arrive later (:func:`weights_arrive_later`), on the meta device;
+    with ``real_buffers``, its parameters only (Accelerate's ``init_empty_weights``): the buffers a
+    model computes as it is built (rotary frequencies) are in no checkpoint."""
     token = EMPTY_BUILD.set(True)
     try:
-        with torch.device("meta"):
-            yield
+        if real_buffers:
+            from accelerate import init_empty_weights
+
+            with init_empty_weights(include_buffers=False):
+                yield
+        else:
+            with torch.device("meta"):
+                yield
     finally:
         EMPTY_BUILD.reset(token)
+
+
+#: model built empty -> what finds the safetensors files its weights can be read from (:func:`reads_weights_from`)
+WEIGHT_FILES: weakref.WeakKeyDictionary[nn.Module, Callable[[], list[Path]]] = weakref.WeakKeyDictionary()
+
+
+def reads_weights_from(model: nn.Module, files: Callable[[], list[Path]]) -> nn.Module:
+    """Say that ``model``, built empty, would be loaded from the safetensors files ``files()`` returns
+    (a pretrained checkpoint's, under the model's parameter names, or ``[]`` where there are none): a
+    sharded run's workers may then each read their own shard of every weight from them rather than
+    take rank 0's whole model (:mod:`raytpu.runtime.reading`). ``files`` is called only then, on
+    every worker, so that nothing is fetched where the model is only measured."""
+    WEIGHT_FILES[model] = files
+    return model
+
+
+def weight_files_of(model: nn.Module) -> Callable[[], list[Path]] | None:
+    return WEIGHT_FILES.get(model)
 
 
 class Job:

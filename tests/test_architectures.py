@@ -215,3 +215,39 @@ def test_a_sharded_checkpoint_exports_with_the_tie_and_raytpu_s_logits(layouts, 
     with torch.no_grad():
         theirs = exported(input_ids=ids).logits
     torch.testing.assert_close(theirs, eval_logits(name, data, final, ids), rtol=0, atol=1e-5)
+
+
+def test_pretrained_weights_under_fsdp2_are_read_shard_by_shard_as_from_pretrained_loads_them(tmp_path):
+    """Every architecture of the matrix saved as a pretrained folder (a GPT-2 too whose file names
+    lack ``transformer.``, as the Hub's gpt2 does), loaded by 2 FSDP2 processes: each reads its own
+    rows of each weight from the files, where Transformers would load them unconverted, and the
+    gathered model is ``from_pretrained``'s, tensor for tensor, its tie held; rank 0 loads the one
+    whose experts Transformers fuses as it loads them (qwen2_moe), to the same model."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.conftest import finish, start_python
+
+    folders = tmp_path / "pretrained"
+    for name, (model_type, fields) in ARCHITECTURES.items():
+        empty = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}  # none past 512
+        config = AutoConfig.for_model(model_type, **fields, vocab_size=512, **empty)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folders / name)
+    bare = folders / "gpt2-bare-names"
+    AutoModelForCausalLM.from_pretrained(folders / "gpt2").save_pretrained(bare)
+    weights = load_file(bare / "model.safetensors")
+    save_file({key.removeprefix("transformer."): value for key, value in weights.items()}, bare / "model.safetensors")
+    processes = [
+        start_python(["-m", "tests.pretrained_worker", str(folders)], {"RANK": str(rank), "WORLD_SIZE": "2"})
+        for rank in range(2)
+    ]
+    done = [finish(process, timeout=600) for process in processes]
+    assert all(d.returncode == 0 for d in done), [d.stderr[-3000:] for d in done]
+    lines = [json.loads(line) for line in done[0].stdout.splitlines() if line.startswith("{")]
+    found = {line["folder"]: line for line in lines}
+    assert sorted(found) == sorted([*ARCHITECTURES, "gpt2-bare-names"])
+    for name, report in found.items():
+        assert report["names"] and not report["differ"], (name, report)
+        assert report["read_shards"] == (name != "qwen2_moe"), (name, report)
+        tied = name.removesuffix("-bare-names") in TIED
+        assert report["tied"] == (["lm_head.weight"] if tied else []), (name, report)

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from raytpu.config import Config
 from raytpu.config.args import Flag
 from raytpu.corpus.packing import TokenizerEncoder
-from raytpu.job import Batch, Job, JobConfig, StepContext, empty_build, weights_arrive_later
+from raytpu.job import Batch, Job, JobConfig, StepContext, empty_build, reads_weights_from, weights_arrive_later
 from raytpu.jobs.causal_lm import corpus, hub, sft
 from raytpu.jobs.causal_lm.attention import ATTENTION, attention_for, check_attention
 from raytpu.jobs.causal_lm.configs import (
@@ -164,9 +164,11 @@ class CausalLMJob(Job):
             model = hub.load_model(
                 job.model_name_or_path, hub.options(job), attn_implementation=attention, dtype=DTYPES[job.dtype]
             )
-        elif job.model_name_or_path:  # the pretrained architecture, its weights sent by another rank
+        elif job.model_name_or_path:  # the pretrained architecture, its weights read later or sent by rank 0
             dtype = DTYPES[job.dtype] if job.dtype != "auto" else getattr(config, "dtype", None) or torch.float32
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
+            if not cfg.checkpoint.weights:  # else the run starts from those
+                reads_weights_from(model, lambda: hub.weight_files(job.model_name_or_path, hub.options(job)))
         else:
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
         if job.gradient_checkpointing:

@@ -8,14 +8,16 @@ files land in the Hugging Face cache of the machine that asks (``HF_HOME`` / ``H
 
 Who downloads: the driver reads the config (and the tokenizer) before any worker starts, so that a
 name that does not exist, is gated, or is missing from the cache offline is one line at once; each
-worker builds the model with ``from_pretrained``, and huggingface_hub locks each file of the cache
-while one process downloads it: on a machine, the weights are fetched once, whatever the number of
-workers there; a cluster of several nodes fetches them once per node.
+worker builds the model with ``from_pretrained`` (under FSDP2, reads its shards of the weights from
+the files :func:`weight_files` fetches), and huggingface_hub locks each file of the cache while one
+process downloads it: on a machine, the weights are fetched once, whatever the number of workers
+there; a cluster of several nodes fetches them once per node.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -112,6 +114,33 @@ def load_model(name: str, given: dict[str, Any], **kwargs: Any) -> Any:
 
     with hub_errors("job.model_name_or_path", name, given):
         return AutoModelForCausalLM.from_pretrained(name, **given, **kwargs)
+
+
+def weight_files(name: str, given: dict[str, Any]) -> list[Path]:
+    """The safetensors files ``from_pretrained`` would read the weights from (``model.safetensors``,
+    or the shards its index names), fetched into this machine's cache where missing; ``[]`` where
+    there are none to be had (``.bin`` weights, or the Hub out of reach): rank 0 then loads the model
+    through ``from_pretrained``, which says what is wrong."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+    def fetched(filename: str) -> Path | None:
+        if is_local(name):
+            path = Path(name).expanduser() / filename
+            return path if path.is_file() else None
+        try:
+            where = {key: value for key, value in given.items() if key in ("revision", "cache_dir")}
+            return Path(hf_hub_download(name, filename, **where))
+        except (HfHubHTTPError, OSError, ValueError):  # not in the repository, nor in the cache offline
+            return None
+
+    index = fetched(SAFE_WEIGHTS_INDEX_NAME)
+    if index is None:
+        single = fetched(SAFE_WEIGHTS_NAME)
+        return [single] if single else []
+    shards = [fetched(shard) for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [shard for shard in shards if shard] if all(shards) else []
 
 
 def load_tokenizer(name: str, given: dict[str, Any], key: str = "job.tokenizer") -> Any:

@@ -38,11 +38,12 @@ from torch.utils.checkpoint import checkpoint
 
 from raytpu.console import muted_stdout
 from raytpu.errors import ConfigError
-from raytpu.job import empty_build
+from raytpu.job import empty_build, weight_files_of
 from raytpu.parallel.mesh import MeshShape, resolve_mesh
 from raytpu.parallel.tensor import parallelize
 from raytpu.runtime.base import Runtime
 from raytpu.runtime.compiled import compile_regions, compile_whole
+from raytpu.runtime.reading import ShardedWeights
 from raytpu.runtime.torch_ddp import DDPRuntime, refresh_float8_scales
 
 
@@ -121,18 +122,37 @@ class FSDPRuntime(DDPRuntime):
         self.units = 0
         self.shape = worker_mesh(sharding, world_size)
         self.tensor_parallel_layers = 0
+        self.weights: ShardedWeights | None = None  # each rank reads its shards of pretrained weights
         self.float8_model: nn.Module | None = None  # fp8 whose weights are gathered in float8: scales to refresh
 
     def build(self, make: Callable[[], nn.Module]) -> nn.Module:
-        """Rank 0 builds the model; the others build it on the meta device (a job that reads
-        pretrained weights builds the same architecture from its config: ``raytpu.job.empty_build``),
-        since every rank starts from rank 0's weights and buffers, sent unit by unit as each is
-        sharded (:meth:`prepare_model`): the workers of a node never hold as many whole copies (of a
-        pretrained model's weights too), as Accelerate's ``cpu_ram_efficient_loading`` does."""
-        if self.rank == 0 or self.world_size == 1:
+        """Every rank builds the model on the meta device (a job that reads pretrained weights builds
+        the same architecture from its config: ``raytpu.job.empty_build``). Where each can read its
+        own shards of the pretrained weights (:mod:`raytpu.runtime.reading`), that is all; else rank 0
+        builds it whole, and every rank starts from rank 0's weights and buffers, sent unit by unit as
+        each is sharded (:meth:`prepare_model`), as Accelerate's ``cpu_ram_efficient_loading`` does.
+        Either way the workers of a node never hold as many whole copies."""
+        if self.world_size == 1:
             return make()
         with empty_build():
-            return make()
+            model = make()
+        self.weights = self._reading(model)
+        if self.weights is None:
+            return make() if self.rank == 0 else model
+        with empty_build(real_buffers=True):  # the buffers it computes as it is built are in no file
+            model = make()
+        if callable(getattr(model, "tie_weights", None)):  # made anew on the meta device, a tie came apart
+            model.tie_weights()
+        return model
+
+    def _reading(self, model: nn.Module) -> ShardedWeights | None:
+        """How the ranks read their shards of ``model``'s pretrained weights, if every rank can."""
+        files = weight_files_of(model)
+        alone = self.shape.tensor == 1 and self.precision != "fp8"  # split or converted layers: rank 0's
+        weights = ShardedWeights.of(model, files()) if files is not None and alone else None
+        everywhere = torch.tensor([weights is not None], dtype=torch.int32, device=self.collective_device)
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+        return weights if everywhere.item() else None
 
     def prepare_model(
         self, model: nn.Module, find_unused_parameters: bool = False, sync_batchnorm: str = "auto"
@@ -159,17 +179,22 @@ class FSDPRuntime(DDPRuntime):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         options = {"mesh": mesh, "mp_policy": policy} if self.precision in ("bf16", "fp8") else {"mesh": mesh}
         for unit in units:  # one unit whole on the device at a time, never the whole model
-            place(unit, self.device)
-            if not self.tensor_parallel_layers:  # else rank 0's weights are everywhere already
+            if self.weights is None:  # else sharded on the meta device, each rank to read its shards
+                place(unit, self.device)
+            if self.weights is None and not self.tensor_parallel_layers:  # else rank 0's weights are everywhere
                 self._same_start([*unit.parameters(), *unit.buffers()])
             for part in apart(unit):  # FSDP2 gathers one dtype a group: fp32 adapters on a bf16 base, their own
                 fully_shard(part, **options)
             fully_shard(unit, **options)
-        place(model, self.device)  # what no unit holds: the sharded units' DTensors stay as they are
-        self._same_start(
-            [tensor for tensor in [*model.parameters(), *model.buffers()] if not isinstance(tensor, DTensor)]
-        )
+        if self.weights is None:
+            place(model, self.device)  # what no unit holds: the sharded units' DTensors stay as they are
+            self._same_start(
+                [tensor for tensor in [*model.parameters(), *model.buffers()] if not isinstance(tensor, DTensor)]
+            )
         fully_shard(model, **options)
+        if self.weights is not None:
+            self.weights.fill(model, self.device)
+            self._same_start(list(model.buffers()))  # as built on every rank: the check that the models match
         self.units = len(units)
         if self.compile_mode and not self.compiled:
             model, self.compiled = compile_whole(model, self.compile_mode), "whole"
