@@ -5,7 +5,7 @@ fp32 weights) is written once as a ``save_pretrained`` folder; then, for each wo
 many processes (``torchrun``, gloo) each build the causal LM job's model from it
 (``job.model_name_or_path``) and shard it as a run does (``Runtime.build`` then ``prepare_model``,
 ``--fsdp full_shard``): each worker reads its own rows of every weight from the files
-(``raytpu.runtime.reading``). They report their peak resident memory (``VmHWM``) once sharded, and
+(``raytpu.parallel.reading``). They report their peak resident memory (``VmHWM``) once sharded, and
 the peak of their anonymous memory (``RssAnon``, sampled every 5 ms): a process's resident memory
 also counts the pages of the safetensors file it maps, which the page cache holds once for all the
 processes of a machine and can give back. Side by side, in the same run: rank 0 loading the whole

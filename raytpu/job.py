@@ -109,7 +109,7 @@ def reads_weights_from(model: nn.Module, files: Callable[[], list[Path]]) -> nn.
     """Say that ``model``, built empty, would be loaded from the safetensors files ``files()`` returns
     (a pretrained checkpoint's, under the model's parameter names, or ``[]`` where there are none): a
     sharded run's workers may then each read their own shard of every weight from them rather than
-    take rank 0's whole model (:mod:`raytpu.runtime.reading`). ``files`` is called only then, on
+    take rank 0's whole model (:mod:`raytpu.parallel.reading`). ``files`` is called only then, on
     every worker, so that nothing is fetched where the model is only measured."""
     WEIGHT_FILES[model] = files
     return model

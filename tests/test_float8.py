@@ -142,3 +142,27 @@ def test_fp8_under_fsdp2_shards_the_float8_layers_and_keeps_plain_names():
         losses.append(float(loss))
     assert losses[-1] < losses[0] and runtime.sharded and runtime.float8_layers
     assert set(model.state_dict()) == set(job.build_model(cfg).state_dict())
+
+
+def test_a_tied_model_trains_in_fp8_under_fsdp2_checkpoints_and_resumes_with_its_tie(data, tmp_path):
+    """Tied embeddings (GPT-2's, Llama 3.2's): the output head, its input embedding, stays out of
+    float8, the tie holds through FSDP2's sharding and into the checkpoint (where the tie once
+    crashed the first save), and a resume goes on with the tie in place."""
+    tied = [*TINY, *RUN, f"data.path={data}", "job.model_config.tie_word_embeddings=true", "--fsdp", "full_shard"]
+    cfg, job = load_config(SMALL, tied)
+    fp8 = native_runtime("cpu", "cpu", "fp8", 1, 0, 0, {"fp8_recipe": "tensorwise", "sharding": cfg.sharding})
+    trainer = Trainer(cfg, job, fp8, tmp_path / "fp8", data, FolderReporter(tmp_path / "fp8"))
+    trainer.fit()
+    model = fp8.unwrap(trainer.model)
+    assert fp8.sharded and fp8.float8_layers and "lm_head" not in fp8.float8_layers
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    latest = FolderReporter(tmp_path / "fp8").latest_checkpoint()
+    weights = ckpt.load_model_weights(str(latest))
+    assert torch.equal(weights.get("lm_head.weight", weights["model.embed_tokens.weight"]),
+                       weights["model.embed_tokens.weight"])  # fmt: skip
+    resumed_cfg = with_values(cfg, {"checkpoint.resume_from": str(latest), "loop.max_steps": 3})
+    again = native_runtime("cpu", "cpu", "fp8", 1, 0, 0, {"fp8_recipe": "tensorwise", "sharding": cfg.sharding})
+    resumed = Trainer(resumed_cfg, job, again, tmp_path / "resumed", data, FolderReporter(tmp_path / "resumed"))
+    resumed.fit()
+    model = again.unwrap(resumed.model)
+    assert resumed.progress.step == 3 and model.lm_head.weight is model.model.embed_tokens.weight

@@ -40,10 +40,10 @@ from raytpu.console import muted_stdout
 from raytpu.errors import ConfigError
 from raytpu.job import empty_build, weight_files_of
 from raytpu.parallel.mesh import MeshShape, resolve_mesh
+from raytpu.parallel.reading import ShardedWeights
 from raytpu.parallel.tensor import parallelize
 from raytpu.runtime.base import Runtime
 from raytpu.runtime.compiled import compile_regions, compile_whole
-from raytpu.runtime.reading import ShardedWeights
 from raytpu.runtime.torch_ddp import DDPRuntime, refresh_float8_scales
 
 
@@ -128,7 +128,7 @@ class FSDPRuntime(DDPRuntime):
     def build(self, make: Callable[[], nn.Module]) -> nn.Module:
         """Every rank builds the model on the meta device (a job that reads pretrained weights builds
         the same architecture from its config: ``raytpu.job.empty_build``). Where each can read its
-        own shards of the pretrained weights (:mod:`raytpu.runtime.reading`), that is all; else rank 0
+        own shards of the pretrained weights (:mod:`raytpu.parallel.reading`), that is all; else rank 0
         builds it whole, and every rank starts from rank 0's weights and buffers, sent unit by unit as
         each is sharded (:meth:`prepare_model`), as Accelerate's ``cpu_ram_efficient_loading`` does.
         Either way the workers of a node never hold as many whole copies."""
