@@ -140,7 +140,7 @@ def weight_files(name: str, given: dict[str, Any]) -> list[Path]:
         single = fetched(SAFE_WEIGHTS_NAME)
         return [single] if single else []
     shards = [fetched(shard) for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return [shard for shard in shards if shard] if all(shards) else []
+    return [shard for shard in shards if shard] if all(shards) else []  # (the filter: for the type checker)
 
 
 def load_tokenizer(name: str, given: dict[str, Any], key: str = "job.tokenizer") -> Any:

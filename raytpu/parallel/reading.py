@@ -116,7 +116,7 @@ def own_rows(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         return param, (0, param.shape[0] if param.dim() else 0)
     local = param.to_local()
     if tuple(param.placements) != (Shard(0),):
-        raise RuntimeError(f"a sharded parameter placed {param.placements}, not on its rows: read it whole")
+        raise RuntimeError(f"a parameter sharded as {param.placements}, where FSDP2 shards its rows (Shard(0))")
     rows, workers = param.shape[0], param.device_mesh.size()
     piece = -(-rows // workers)
     start = min(param.device_mesh.get_local_rank() * piece, rows)

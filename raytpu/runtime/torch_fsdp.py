@@ -139,7 +139,9 @@ class FSDPRuntime(DDPRuntime):
         self.weights = self._reading(model)
         if self.weights is None:
             return make() if self.rank == 0 else model
-        with empty_build(real_buffers=True):  # the buffers it computes as it is built are in no file
+        # built again, with the buffers it computes as it is built (in no file): the meta build above
+        # makes no parameter on the CPU, which would leave glibc's heap grown for the fallback's ranks
+        with empty_build(real_buffers=True):
             model = make()
         if callable(getattr(model, "tie_weights", None)):  # made anew on the meta device, a tie came apart
             model.tie_weights()
