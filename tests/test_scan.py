@@ -17,7 +17,7 @@ import torch
 from raytpu.jobs.causal_lm import corpus
 from raytpu.parallel.scan import STACKED, ScannedLayers, layer_stack, scan_in_place
 from raytpu.worker.optim import decay_groups
-from tests.conftest import XlaProbe
+from tests.conftest import XlaProbe, run_python
 
 
 def tiny_llama(layers: int = 3) -> torch.nn.Module:
@@ -104,7 +104,7 @@ def meshes(tmp_path_factory) -> dict[str, dict]:
     one_device = XlaProbe(1, checkpointed, [*checkpointed, "xla.scan_layers=true"])
     reports = dict(zip(("fsdp", "tensor", "first", "resumed"), meshes.reports(), strict=True))
     reports["unrolled_one"], reports["scanned_one"] = one_device.reports()
-    if scanned.crash():  # seen in whole-suite runs only, with the machine loaded: once more, alone
+    if scanned.crash():  # once more, alone (a crash of torch_xla, not raytpu: it must not fail on a busy machine)
         scanned = XlaProbe(4, scanned_run)
     crash = scanned.crash()
     reports["scanned"] = {"crash": crash} if crash else scanned.reports()[0]
@@ -168,6 +168,32 @@ def test_scanned_layers_under_fsdpv2_train_as_the_unrolled_ones(meshes):
         )
     assert scanned["losses"] == pytest.approx(fsdp["losses"], rel=1e-4), (scanned["losses"], fsdp["losses"])
     assert scanned["compiles_after_warmup"] == 0 and scanned["fallbacks_after_warmup"] == [], scanned
+
+
+#: require_jax_bridge in a process of its own (torch_xla imported), flax importable or not
+BRIDGE = """import sys
+if sys.argv[1] == "without-flax":
+    sys.modules["flax"] = None  # an environment without flax: importing it fails
+from raytpu.errors import ConfigError
+from raytpu.parallel.scan import require_jax_bridge
+try:
+    require_jax_bridge()
+    print("bridge: ok")
+except ConfigError as exc:
+    print(f"refused: {exc}")
+"""
+
+
+@pytest.mark.xla
+def test_scanned_layers_under_spmd_are_refused_in_one_line_where_torchax_cannot_be_imported():
+    """torch_xla's scan under SPMD calls JAX through torchax in its backward, and torchax imports
+    flax: without it the process died of a segmentation fault in its first step."""
+    env = {"PJRT_DEVICE": "CPU"}
+    found = {case: run_python(["-c", BRIDGE, case], env) for case in ("with-flax", "without-flax")}
+    assert found["with-flax"].stdout.strip() == "bridge: ok", found["with-flax"].stderr[-2000:]
+    refused = found["without-flax"].stdout.strip()
+    assert refused.startswith("refused: xla.scan_layers under SPMD: torch_xla's scan calls JAX through"), refused
+    assert "install raytpu's xla (or tpu) extra, or set xla.scan_layers=false" in refused and "\n" not in refused
 
 
 def test_a_run_resumed_with_the_other_xla_scan_layers_is_one_line(tmp_path, capsys):

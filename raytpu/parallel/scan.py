@@ -36,6 +36,19 @@ from raytpu.errors import ConfigError
 STACKED = "stacked__"
 
 
+def require_jax_bridge() -> None:
+    """torch_xla's scan under SPMD calls JAX through torchax in its backward; where torchax cannot
+    be imported (it imports flax, which it does not declare), the error is raised inside autograd's
+    backward and the process dies of a segmentation fault. Refused in one line before the first step."""
+    from torch_xla._internal.jax_workarounds import maybe_get_jax, maybe_get_torchax
+
+    if maybe_get_jax(log=False) is None or maybe_get_torchax() is None:
+        raise ConfigError(
+            "xla.scan_layers under SPMD: torch_xla's scan calls JAX through torchax, which cannot be imported "
+            "here (it needs jax and flax): install raytpu's xla (or tpu) extra, or set xla.scan_layers=false"
+        )
+
+
 def layer_stack(model: nn.Module, units: list[nn.Module]) -> nn.ModuleList:
     """The ``nn.ModuleList`` whose children are exactly the model's repeated blocks ``units``; a
     ConfigError when the model holds them otherwise or when they are not alike (scan runs one

@@ -42,7 +42,7 @@ from torch import nn
 
 from raytpu.errors import ConfigError
 from raytpu.parallel.mesh import AXES, resolve_mesh
-from raytpu.parallel.scan import layer_stack, scan_in_place
+from raytpu.parallel.scan import layer_stack, require_jax_bridge, scan_in_place
 from raytpu.runtime.base import RecompileError, Runtime, batchnorm_scope, clip_or_measure, gpu_peak_flops
 from raytpu.runtime.torch_fsdp import NO_UNITS, plain_state_dict_names, units_of, wrapping_units
 from raytpu.runtime.tpu import tpu_peak_flops, tpu_present
@@ -161,6 +161,8 @@ class XLARuntime(Runtime):
         specs = self._partition_specs(model) if self.tensor_parallel else {}
         if scan:  # the scan recomputes through its partition, and FSDPv2 wraps the root alone (a wrapper of
             # each unit would hold weights the stack now holds)
+            if self.spmd:
+                require_jax_bridge()
             stack = layer_stack(model, units_of(model, units))
             prefix = next(name for name, module in model.named_modules() if module is stack)
             for stacked, first in scan_in_place(stack, recompute=grad_ckpt).items():
