@@ -125,3 +125,30 @@ def test_doctor_reads_the_node_types_on_the_head(report) -> None:
     assert doctor["cluster"]["reachable"] and doctor["cluster"]["auto_runtime"] == "xla", doctor["cluster"]
     names = [node_type["name"] for node_type in doctor["cluster"]["node_types"]]
     assert names == ["tpu_v5e_8", "tpu_v5e_16_slice", "gpu_t4"], names
+
+
+def test_an_autoscaler_event_read_in_halves_leaves_no_traceback_on_the_driver() -> None:
+    """Ray's log monitor can read a line of the autoscaler's event file while it is being written;
+    the driver then parses two halves. After raytpu's connect they are dropped, whole events still
+    parse, and the logger's other errors still reach its handlers."""
+    import logging
+
+    from ray._private.event.event_logger import global_logger, parse_event
+    from ray.core.generated.event_pb2 import Event
+
+    from raytpu.cluster.connect import quiet_ray
+
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    global_logger.addHandler(handler)
+    try:
+        quiet_ray()
+        event = Event(message="Adding 1 node(s) of type tpu_v5e_8.", severity=Event.Severity.INFO)
+        whole = json.dumps({"message": event.message, "severity": "INFO"})
+        assert parse_event(whole[:40]) is None and parse_event(whole[40:]) is None and seen == []
+        assert parse_event(whole).message == event.message
+        global_logger.error("Failed to flush event logger handler.")
+        assert [record.getMessage() for record in seen] == ["Failed to flush event logger handler."]
+    finally:
+        global_logger.removeHandler(handler)

@@ -361,8 +361,18 @@ def without_traceback(record: logging.LogRecord) -> bool:
 
 
 def quiet_ray() -> None:
-    """Hide Ray's token-authentication reminder on every connect (through its logger's level)."""
+    """Hide Ray's token-authentication reminder on every connect (through its logger's level), and
+    its tracebacks for autoscaler events it could not parse (:func:`whole_events_only`)."""
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    logging.getLogger("ray._private.event.event_logger").addFilter(whole_events_only)
+
+
+def whole_events_only(record: logging.LogRecord) -> bool:
+    """Drop Ray's "Failed to parse event" error. The driver prints the autoscaler's events, which
+    Ray's log monitor reads from the autoscaler's event file line by line; a line it reads while the
+    autoscaler is still writing it comes in two halves, neither of them JSON, and the driver logs
+    each with a traceback. The event is lost either way; the autoscaler's log keeps it."""
+    return not record.getMessage().startswith("Failed to parse event")
 
 
 def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
