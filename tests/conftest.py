@@ -125,9 +125,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+#: XLA's C++ log level as the suite was started with it: torch_xla, once imported in a test process,
+#: sets its own default there, which a fresh process must not inherit as if its user had set it
+LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
+LOG_LEVEL_GIVEN = os.environ.get(LOG_LEVEL)
+
+
 def start_python(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``python args`` from the repo root in a fresh process (XLA settings are per process)."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    if LOG_LEVEL_GIVEN is None and LOG_LEVEL not in (env or {}):
+        full_env.pop(LOG_LEVEL, None)
     return subprocess.Popen(
         [sys.executable, *args], cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -206,3 +206,29 @@ def test_a_local_instance_s_log_monitor_looks_for_new_log_files_every_half_secon
     assert len(monitors) == 1, monitors
     assert b"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0" in monitors[0]
     assert "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD" not in os.environ
+
+
+def test_xla_s_warnings_stay_off_every_worker_s_console_unless_the_driver_s_environment_asks(ray_session):
+    """raytpu's connect sets XLA's C++ log level for every worker of its job from the process start,
+    before any library loads XLA (``raytpu.runtime.xla.quiet_xla_logs``); a level set in the
+    driver's environment reaches the workers instead."""
+    from tests.conftest import finish, start_python
+
+    address = ray_session.get_runtime_context().gcs_address
+    code = (
+        "import os, ray\n"
+        "from raytpu.cluster.connect import connect\n"
+        "@ray.remote(num_cpus=0)\n"
+        "def level():\n"
+        "    return os.environ.get('TF_CPP_MIN_LOG_LEVEL')\n"
+        "os.environ.pop('TF_CPP_MIN_LOG_LEVEL', None)\n"
+        "for given in (None, '1'):\n"
+        "    if given:\n"
+        "        os.environ['TF_CPP_MIN_LOG_LEVEL'] = given\n"
+        f"    connect({address!r}, quiet=True)\n"
+        "    print('level', ray.get(level.remote()))\n"
+        "    ray.shutdown()\n"
+    )
+    said = finish(start_python(["-c", code]), timeout=120)
+    assert said.returncode == 0, said.stderr[-2000:]
+    assert [line for line in said.stdout.splitlines() if line.startswith("level")] == ["level 2", "level 1"], said

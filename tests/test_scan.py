@@ -97,7 +97,7 @@ def meshes(tmp_path_factory) -> dict[str, dict]:
     tensor = ["sharding.mesh.tensor=2", "sharding.mesh.fsdp=2"]
     across = [f"run.storage_path={root}", "run.name=across", "checkpoint.every_steps=10"]
     runs = [lm(data, *fsdp), lm(data, *tensor), lm(data, *tensor, *across, "loop.max_steps=10")]
-    meshes = XlaProbe(4, *runs, lm(data, *fsdp, *across))
+    meshes = XlaProbe(4, *runs, lm(data, *fsdp, *across), env={"TF_CPP_MIN_LOG_LEVEL": "1"})  # XLA's warnings asked for
     scanned_run = lm(data, *fsdp, "xla.scan_layers=true", "--gradient_checkpointing")
     scanned = XlaProbe(4, scanned_run)
     checkpointed = lm(data, "--gradient_checkpointing")
@@ -109,6 +109,7 @@ def meshes(tmp_path_factory) -> dict[str, dict]:
     crash = scanned.crash()
     reports["scanned"] = {"crash": crash} if crash else scanned.reports()[0]
     reports["scanned_prepared"] = scanned.prepared()  # printed before its first step: there even after a crash
+    reports["consoles"] = {"meshes": meshes.done().stderr, "scanned": scanned.done().stderr}
     return reports
 
 
@@ -168,6 +169,25 @@ def test_scanned_layers_under_fsdpv2_train_as_the_unrolled_ones(meshes):
         )
     assert scanned["losses"] == pytest.approx(fsdp["losses"], rel=1e-4), (scanned["losses"], fsdp["losses"])
     assert scanned["compiles_after_warmup"] == 0 and scanned["fallbacks_after_warmup"] == [], scanned
+
+
+#: what the libraries under a sharded XLA run say at its start or at every compile or forward
+NOTICES = (
+    "GSPMD sharding propagation is going to be deprecated",  # XLA's C++ warning, at each compiled graph
+    "Tensorflow library not found",  # flax's, imported through torchax at the first sharding
+    "Unable to initialize backend 'tpu'",  # JAX's look for a TPU, in the scan's backward
+    "For backward hooks to be called",  # torch's, at every forward of FSDPv2's root wrapper
+)
+
+
+@pytest.mark.xla
+def test_a_sharded_run_s_console_holds_none_of_its_libraries_notices_unless_xla_s_are_asked_for(meshes):
+    """raytpu.runtime.xla.quiet_xla_logs: the scanned FSDPv2 run says none of them; the mesh runs,
+    whose environment sets TF_CPP_MIN_LOG_LEVEL=1 (the user's level wins), show XLA's warnings."""
+    consoles = meshes["consoles"]
+    said = [notice for notice in NOTICES if notice in consoles["scanned"]]
+    assert said == [], consoles["scanned"][-3000:]
+    assert NOTICES[0] in consoles["meshes"], consoles["meshes"][-3000:]
 
 
 #: require_jax_bridge in a process of its own (torch_xla imported), flax importable or not

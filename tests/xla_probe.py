@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch_xla
-import torch_xla.debug.metrics as met
 
 from raytpu.config import load_config
 from raytpu.config.plan import resolve_config
@@ -31,9 +29,14 @@ from raytpu.driver.preflight import resolve_data_root
 from raytpu.hooks import Callback
 from raytpu.records import goodput
 from raytpu.runtime import make_runtime, resolve_precision
+from raytpu.runtime.xla import quiet_xla_logs
 from raytpu.storage.run_folder import RunFolder
 from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter
+
+quiet_xla_logs()  # before torch_xla is imported, as raytpu's XLA runtime and every Ray worker's start do
+import torch_xla  # noqa: E402
+import torch_xla.debug.metrics as met  # noqa: E402
 
 
 def ray_datasets(cfg, job) -> dict | None:

@@ -106,6 +106,9 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False, das
     env.update(endpoint_variables())  # where the stores are; never credentials: each node has its own
     env.update({name: os.environ[name] for name in HUB_VARIABLES if os.environ.get(name)})
     env["RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS"] = "0"
+    # XLA's C++ warnings off from each worker's start, before any library loads XLA (a user's own level wins):
+    # raytpu.runtime.xla.quiet_xla_logs says why
+    env["TF_CPP_MIN_LOG_LEVEL"] = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")
     # TorchTPU's autoload off in every worker, as in the driver (raytpu/__init__.py): its runtime loads it
     env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     # print() in a worker stays print(): Ray Train would route it through a logger that writes it

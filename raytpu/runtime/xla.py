@@ -30,6 +30,7 @@ torch_xla is imported only here, inside the worker, never in the driver.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -49,6 +50,21 @@ from raytpu.runtime.tpu import tpu_peak_flops, tpu_present
 
 #: a run's seed times this, plus the step: each step's seed (``begin_step``), apart for every step and seed
 STEP_SEEDS = 2**32
+
+
+def quiet_xla_logs() -> None:
+    """Before torch_xla is imported: keep off the console what the libraries under it say at every
+    compile or import, none of which the user can act on. XLA's C++ warnings (GSPMD's deprecation,
+    once per compiled graph) unless ``TF_CPP_MIN_LOG_LEVEL`` is set (``1`` shows them); flax's notice
+    that TensorFlow is absent (torch_xla imports it through torchax at the first sharding); JAX's
+    look for a TPU on a machine without one."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.getLogger("absl").addFilter(not_tensorflow_notice)
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+
+def not_tensorflow_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Tensorflow library not found")
 
 
 class XLARuntime(Runtime):
@@ -75,6 +91,7 @@ class XLARuntime(Runtime):
         if not tpu_present():
             os.environ.setdefault("PJRT_DEVICE", "CPU")
         os.environ["USE_TORCH_XLA"] = "1"  # Transformers' XLA code paths (the driver turns them off for itself)
+        quiet_xla_logs()
         import torch_xla
         import torch_xla.runtime as xr
 
@@ -210,6 +227,9 @@ class XLARuntime(Runtime):
             return wrapper
 
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=units) if units else None
+        # FSDPv2 hooks an optimization barrier onto the root's backward; a Transformers model returns a
+        # ModelOutput, for which torch calls no backward hook and says so at every forward
+        warnings.filterwarnings("ignore", "For backward hooks to be called", UserWarning)
         return FSDPv2(
             model,
             mesh=self.mesh,
