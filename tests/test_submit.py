@@ -272,7 +272,7 @@ def ray_head(stores):
     previous = os.environ.get("RAY_API_SERVER_ADDRESS")
     os.environ["RAY_API_SERVER_ADDRESS"] = address
     try:
-        yield {"address": address, "token": token}
+        yield {"address": address, "token": token, "process": head, "temp_dir": temp_dir}
     finally:
         stop_head(head, temp_dir)
         os.environ.pop("RAY_API_SERVER_ADDRESS")
@@ -333,6 +333,17 @@ def wait_for_dashboard(address: str, token: str, head: subprocess.Popen, log: Pa
         time.sleep(1)
 
 
+def head_report(ray_head: dict) -> str:
+    """The head's state and the last lines of its logs, for the message of a test that failed on it."""
+    code = ray_head["process"].poll()
+    state = "running" if code is None else f"exited with code {code}"
+    logs = Path(ray_head["temp_dir"]) / "session_latest" / "logs"
+    paths = [Path(ray_head["temp_dir"]) / "ray-start.log", *sorted(logs.glob("*.err"))]
+    paths += [logs / name for name in ("raylet.out", "gcs_server.out", "dashboard.log")]
+    tails = [f"\n--- {path}\n{path.read_text(errors='replace')[-1500:]}" for path in paths if path.is_file()]
+    return f"\nthe head: {state}" + "".join(tails)
+
+
 def stop_head(head: subprocess.Popen, temp_dir: str) -> None:
     if head.poll() is None:
         os.killpg(head.pid, signal.SIGTERM)
@@ -371,7 +382,7 @@ def test_the_tpu_cluster_page_on_a_real_head(ray_head: dict, tmp_path: Path, mon
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run(["bash", "-c", script(page, stand_ins)], cwd=folder, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=900)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-6000:]
+    assert done.returncode == 0, done.stdout[-6000:] + head_report(ray_head)
     said = outputs(done.stdout)
     shown = commands(page)
 
@@ -413,11 +424,11 @@ def test_submit_a_launch_to_a_real_head(ray_head: dict, tmp_path: Path) -> None:
         text=True,
         timeout=120,
     )
-    assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-2000:]
+    assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-2000:] + head_report(ray_head)
     done = raytpu(
         "submit", "launch", "--address", ray_head["address"], *launch_args("launch-via-raytpu"), env=auth, timeout=400
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + head_report(ray_head)
     assert "submitted job:  raytpu-launch-via-raytpu-" in done.stdout
     assert "DistributedType" in done.stdout and "succeeded" in done.stdout.splitlines()[-1]
     client = JobSubmissionClient(ray_head["address"], headers={"Authorization": f"Bearer {ray_head['token']}"})
