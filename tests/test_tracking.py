@@ -46,7 +46,11 @@ class MLflowServer:
                    "--backend-store-uri", f"sqlite:///{self.folder}/mlflow.db", "--workers", "1",
                    "--default-artifact-root", str(self.folder / "artifacts")]  # fmt: skip
         with open(self.folder / "server.log", "a") as log:  # the server keeps its own copy of the descriptor
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            # no job runner: its ten huey consumers serve MLflow's GenAI jobs, which no run here starts
+            env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
         deadline = time.monotonic() + 600  # a guard against a hang only
         while time.monotonic() < deadline:
             try:
@@ -64,7 +68,7 @@ class MLflowServer:
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, 15)  # the server, its uvicorn and its job runners: one session
+            os.killpg(self.process.pid, 15)  # the server and its uvicorn: one session
             try:
                 self.process.wait(2)
             except subprocess.TimeoutExpired:  # uvicorn waits out its clients' keep-alive connections
