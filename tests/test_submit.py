@@ -280,6 +280,10 @@ def ray_head(stores):
             os.environ["RAY_API_SERVER_ADDRESS"] = previous
 
 
+#: what `ray start` prints, in the head's temp dir
+START_LOG = "ray-start.log"
+
+
 def start_head(env: dict[str, str], token: str, tries: int = 3) -> tuple[subprocess.Popen, str, str]:
     """The head, its temp dir and its dashboard's address. A head that exits at start, or whose
     dashboard port answers for another cluster (a port picked free and taken before the head bound
@@ -293,7 +297,7 @@ def start_head(env: dict[str, str], token: str, tries: int = 3) -> tuple[subproc
         command += [f"{flag}={port}" for flag, port in ports.items()]
         command += ["--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=2", f"--temp-dir={temp_dir}"]
         command += ["--disable-usage-stats"]
-        log = Path(temp_dir) / "ray-start.log"
+        log = Path(temp_dir) / START_LOG
         with log.open("w") as out:
             head = subprocess.Popen(
                 command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -337,8 +341,9 @@ def head_report(ray_head: dict) -> str:
     """The head's state and the last lines of its logs, for the message of a test that failed on it."""
     code = ray_head["process"].poll()
     state = "running" if code is None else f"exited with code {code}"
-    logs = Path(ray_head["temp_dir"]) / "session_latest" / "logs"
-    paths = [Path(ray_head["temp_dir"]) / "ray-start.log", *sorted(logs.glob("*.err"))]
+    temp_dir = Path(ray_head["temp_dir"])
+    logs = temp_dir / "session_latest" / "logs"
+    paths = [temp_dir / START_LOG, *sorted(logs.glob("*.err"))]
     paths += [logs / name for name in ("raylet.out", "gcs_server.out", "dashboard.log")]
     tails = [f"\n--- {path}\n{path.read_text(errors='replace')[-1500:]}" for path in paths if path.is_file()]
     return f"\nthe head: {state}" + "".join(tails)
