@@ -178,3 +178,16 @@ def test_the_local_path_loads_no_ray():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_the_driver_s_own_actors_load_no_torch():
+    """raytpu's small actors (a launch's state, the stop flag, the progress board) each take a Ray
+    worker process of their own, which imports only the actor's module: torch there cost 3 s of CPU."""
+    import subprocess
+    import sys
+
+    modules = "raytpu.records.relay, raytpu.driver.signals, raytpu.records.progress"
+    code = f"import sys, {modules}; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

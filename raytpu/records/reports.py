@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytpu.records.checkpoints import is_complete
-
 #: beside a checkpoint's ``meta.json`` in a run folder: what it was reported with (its score)
 REPORT = "report.json"
 
@@ -76,6 +74,8 @@ def read_report(directory: Path) -> dict[str, Any]:
 
 def complete(root: Path) -> list[Path]:
     """The complete checkpoints of the run folder ``root``, oldest first."""
+    from raytpu.records.checkpoints import is_complete  # here: this module stays torch-free (relay.py's actor)
+
     return sorted(p for p in checkpoint_dirs(root) if is_complete(p))
 
 
