@@ -191,6 +191,20 @@ def test_another_job_s_workers_never_ask_another_instance_s_dashboard(ray_sessio
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
+def test_a_tune_trial_on_an_instance_without_a_dashboard_starts_no_placement_group_cleaner(ray_session):
+    """A Tune trial's process joined the session's instance through Ray, not raytpu's connect: it
+    still knows the instance serves no state API, and leaves out Ray Train's placement-group
+    cleaner, which would ask that API for ever (one left spinning for every trial)."""
+
+    @ray_session.remote(num_cpus=0)
+    def left_out() -> list[str]:
+        from raytpu.driver.ray_trainer import idle_callbacks
+
+        return [callback.__name__ for callback in idle_callbacks(has_datasets=True)]
+
+    assert ray_session.get(left_out.remote(), timeout=120) == ["PlacementGroupCleanerCallback"]
+
+
 def test_a_local_instance_s_log_monitor_looks_for_new_log_files_every_half_second(ray_session):
     """Ray's log monitor lists its logs folder ten times a second until it holds a thousand files;
     raytpu's local instance starts it listing every 0.5 s (the setting is the monitor's alone)."""

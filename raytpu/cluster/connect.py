@@ -292,9 +292,14 @@ def joined() -> str:
 
 def serves_state_api() -> bool | None:
     """Whether the cluster this process joined serves Ray's state API (its dashboard does); None
-    where this process did not join it through :func:`connect` (a Tune trial's)."""
+    where that is not known. A process that did not join through :func:`connect` (a Tune trial's)
+    knows it of a local instance started without a dashboard: its raylet gave every worker
+    :data:`NO_STATE_API`. A trial there that kept Ray Train's placement-group cleaner left it asking
+    the missing API for ever (2% of a core each, for the instance's life)."""
     dashboard = DASHBOARDS.get(os.environ.get("RAY_ADDRESS", ""))
-    return None if dashboard is None else bool(dashboard)
+    if dashboard is None:
+        return False if os.environ.get(API_SERVER) == NO_STATE_API else None
+    return bool(dashboard)
 
 
 def joined_here() -> bool:
