@@ -335,16 +335,19 @@ def scalars(run_dir: Path, tag: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def trained(ray_session, data, tmp_path_factory):
-    """small.yaml on 2 Ray workers, failing at step 13 and run again (it resumes from the step-10
-    checkpoint), and the same run uninterrupted in local processes to step 20: 10 steps past the
-    resume, where anything the resume left out (weights, optimizer moments, data position) has
-    already changed the weights (the constant lr does not depend on the run's length)."""
+    """small.yaml on 2 Ray workers, failing once at step 13 and restarted by Ray Train (it resumes
+    from the step-10 checkpoint; a failed command run again resumes the same way: test_faults.py),
+    and the same run uninterrupted in local processes to step 20: 10 steps past the resume, where
+    anything the resume left out (weights, optimizer moments, data position) has already changed
+    the weights (the constant lr does not depend on the run's length)."""
     out = tmp_path_factory.mktemp("lm-runs")
     faulty = out / "faulty.yaml"  # small.yaml with the causal LM that can fail at a step
     faulty.write_text(Path(SMALL).read_text().replace("name: causal_lm\n", "name: tests.faulty_lm\n", 1))
     where = [f"data.path={data}", "--output_dir", str(out)]
-    assert cli.main(["train", str(faulty), *TRAIN, *where, "--run_name", "ray", "job.fail_at_step=13"]) == 1
-    assert cli.main(["train", str(faulty), *TRAIN, *where, "--run_name", "ray"]) == 0
+    (out / "seen").mkdir()  # where the job marks its one failure (and records its steps' blocks)
+    once = ["job.fail_at_step=13", f"job.seen_dir={out / 'seen'}", "checkpoint.max_failures=2"]
+    assert cli.main(["train", str(faulty), *TRAIN, *where, "--run_name", "ray", *once]) == 0
+    assert (out / "seen" / "failed").is_file()
     assert cli.main(["train", str(faulty), *TRAIN, *where, "--run_name", "local", "--local"]) == 0
     return out
 
