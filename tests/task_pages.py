@@ -58,7 +58,7 @@ PLANS: dict[str, dict[str, Step]] = {
         "raytpu export results/lora/config.yaml --checkpoint best --out adapter/": RUN,
         "raytpu export results/lora/config.yaml --merged --checkpoint best --out merged/": RUN,
         'raytpu tune jobs/causal_lm/finetune.yaml --use_peft --train_file chats.jsonl --search "job.lora_r=choice(8, '
-        '16, 32)" --search "optim.lr=loguniform(1e-5, 1e-3)" --samples 6': Step(added="--samples 2 --max_steps 5"),
+        '16, 32)" --search "optim.lr=loguniform(1e-5, 1e-3)" --samples 6': Step(added="--samples 1 --max_steps 5"),
         "raytpu train jobs/causal_lm/small.yaml": SHORT_FLAG,
         "raytpu train jobs/causal_lm/small.yaml --model_type gpt2 --config_name openai-community/gpt2 "
         '--config_overrides "n_layer=4,n_embd=256,n_head=4" --tokenizer_name openai-community/gpt2 '

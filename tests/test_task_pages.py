@@ -168,4 +168,4 @@ def test_the_your_model_page(ray_session, tmp_path: Path) -> None:
     assert (folder / "adapter" / "adapter_config.json").exists() and (folder / "merged" / "config.json").exists()
     assert "generated_text" in said[number_of(page, "python -c")]
     tuned = said[number_of(page, "raytpu tune")]
-    assert tuned.count("done") >= 2 and "best config" in tuned, tuned[-3000:]
+    assert "done" in tuned and "best config" in tuned, tuned[-3000:]  # one trial: sweeps are test_tune.py's
