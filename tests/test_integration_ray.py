@@ -224,6 +224,28 @@ def test_a_local_instance_s_log_monitor_looks_for_new_log_files_every_half_secon
     assert "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD" not in os.environ
 
 
+def test_a_local_instance_starts_no_python_worker_ahead_of_a_task(ray_session):
+    """A raylet starts a Python worker a CPU, with no runtime environment, as the first driver joins;
+    every raytpu job carries one (its connect's), so those never ran a task and only took CPU while
+    the instance waited: raytpu's local instance starts none (the setting is the raylet's alone)."""
+    import os
+
+    node = ray_session._private.worker._global_node
+    raylet = node.all_processes["raylet"][0].process.pid
+    assert b"RAY_prestart_worker_first_driver=0" in Path(f"/proc/{raylet}/environ").read_bytes().split(b"\0")
+    assert "RAY_prestart_worker_first_driver" not in os.environ
+    without_job = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            idle = parent == raylet and Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::IDLE")
+            if idle and b"RAY_TRAIN_ENABLE_PRINT_PATCH=0" not in Path(f"/proc/{pid}/environ").read_bytes():
+                without_job.append(pid)
+        except OSError:
+            continue
+    assert not without_job, without_job
+
+
 def test_xla_s_warnings_stay_off_every_worker_s_console_unless_the_driver_s_environment_asks(ray_session):
     """raytpu's connect sets XLA's C++ log level for every worker of its job from the process start,
     before any library loads XLA (``raytpu.runtime.xla.quiet_xla_logs``); a level set in the

@@ -29,6 +29,8 @@ HEALTH_CHECK, HEALTH_CHECK_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2"
 GCS_PORT = "RAY_GCS_SERVER_PORT"
 #: the log files past which Ray's log monitor looks for new ones every 0.5 s instead of ten times a second
 LOG_FILES_THRESHOLD = "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"
+#: whether a raylet starts Python workers ahead of any task when the first driver joins (Ray's config)
+PRESTART = "RAY_prestart_worker_first_driver"
 #: a cluster's GCS address (``10.0.0.2:6379``), as ``ray start`` prints it; not ``auto`` nor ``ray://``
 GCS_ADDRESS = re.compile(r"^[\w.-]+:\d+$")
 #: the addresses of the local instances this process started
@@ -125,11 +127,9 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False, das
     level = "INFO" if verbose else "WARNING"  # Ray's INFO lines (reports, checkpoints): --verbose only
     kwargs.update(logging_level=getattr(logging, level), logging_config=ray.LoggingConfig(log_level=level))
     local = address in (None, "local")
+    started_with: dict[str, str] = {}
     if local:
         kwargs["include_dashboard"] = dashboard
-        no_state_api = dashboard is False and API_SERVER not in os.environ
-        if no_state_api:  # for the workers of every job: the raylet started here passes it on
-            os.environ[API_SERVER] = NO_STATE_API
         if address is None:
             print("raytpu: no Ray cluster given (--address / RAY_ADDRESS); starting a local Ray instance", flush=True)
         # the nodes of a local instance are never drained: Ray Train's preemption watcher (an actor
@@ -138,15 +138,8 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False, das
         # Ray's own lookups in the workers and actors of this run (Ray Train's placement-group
         # cleaner) must find this instance, even when another one runs on the machine
         port = free_port()
-        os.environ[GCS_PORT] = str(port)
         env["RAY_ADDRESS"] = f"{ray.util.get_node_ip_address()}:{port}"
-        # Ray's log monitor looks for new worker log files ten times a second until the folder holds
-        # a thousand (then every 0.5 s): the whole folder listed each time, every worker that ever
-        # ran there in it, as a kept instance accumulates them (400 files: 4.5% of a core while
-        # idle, 2.3% at 0.5 s). Every 0.5 s from the start, unless the user set it.
-        many_files = LOG_FILES_THRESHOLD not in os.environ
-        if many_files:
-            os.environ[LOG_FILES_THRESHOLD] = "0"
+        started_with = instance_variables(port, dashboard)
     elif GCS_ADDRESS.match(address):
         env["RAY_ADDRESS"] = address  # the same for a cluster joined by its GCS address
         check_token(address)
@@ -155,18 +148,12 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False, das
     if not verbose:
         quiet_ray()
     try:
-        # no address: a new local instance, never another one found on this machine (a user's `ray start`)
-        context = ray.init(address=address or "local", **kwargs)
+        with environment(started_with):
+            # no address: a new local instance, never another one found on this machine (a user's `ray start`)
+            context = ray.init(address=address or "local", **kwargs)
     except ConnectionError as exc:
         reason = " ".join(str(exc).split())[:200]
         raise ConfigError(f"cannot join a Ray cluster at {address!r}: {reason}{token_hint()}") from exc
-    finally:
-        if local:
-            os.environ.pop(GCS_PORT, None)
-            if no_state_api:
-                os.environ.pop(API_SERVER, None)
-            if many_files:
-                os.environ.pop(LOG_FILES_THRESHOLD, None)
     # and so do the driver's later lookups (Tune, Ray Train's threads in this process)
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     DASHBOARDS[os.environ["RAY_ADDRESS"]] = context.dashboard_url or ""
@@ -174,6 +161,38 @@ def connect(address: str | None, quiet: bool = False, verbose: bool = False, das
         STARTED_HERE.append(os.environ["RAY_ADDRESS"])
         if KEEP_LOCAL.get():
             print(KEPT_LINE, flush=True)
+
+
+def instance_variables(port: int, dashboard: bool | None) -> dict[str, str]:
+    """What the processes of a new local instance read from the environment as they start: its GCS
+    port, and, each unless the user set it:
+
+    - Ray's log monitor looks for new worker log files every 0.5 s instead of ten times a second
+      until the folder holds a thousand: the whole folder is listed each time, every worker that
+      ever ran there in it, as a kept instance accumulates them (400 files: 4.5% of a core while
+      idle, 2.3% at 0.5 s);
+    - no Python workers started ahead of any task: Ray starts one a CPU without a runtime
+      environment, and a raytpu job's tasks and actors all carry one (:func:`connect`), so none
+      of them ever ran a task; the two of a 2-CPU instance imported Ray, then took 2.9% of a core
+      while the instance waited (7.3% in all, 4.4% without them);
+    - where there is no dashboard, no state API: the workers of every job look for it at
+      :data:`NO_STATE_API` (the raylet started here passes the variable on).
+    """
+    variables = {LOG_FILES_THRESHOLD: "0", PRESTART: "0"}
+    if dashboard is False:
+        variables[API_SERVER] = NO_STATE_API
+    return {name: value for name, value in variables.items() if name not in os.environ} | {GCS_PORT: str(port)}
+
+
+@contextlib.contextmanager
+def environment(variables: Mapping[str, str]) -> Iterator[None]:
+    """``variables`` in this process's environment for the block's time."""
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name in variables:
+            os.environ.pop(name, None)
 
 
 def leaves_kept_instance(address: str | None) -> bool:
