@@ -285,9 +285,10 @@ START_LOG = "ray-start.log"
 
 
 def start_head(env: dict[str, str], token: str, tries: int = 3) -> tuple[subprocess.Popen, str, str]:
-    """The head, its temp dir and its dashboard's address. A head that exits at start, or whose
-    dashboard port answers for another cluster (a port picked free and taken before the head bound
-    it), is started again on fresh ports."""
+    """The head, its temp dir and its dashboard's address. A head that exits at start (on a loaded
+    machine Ray gives its raylet 30 s to register and then gives up, after its dashboard has
+    answered), or whose dashboard port answers for another cluster (a port picked free and taken
+    before the head bound it), is started again on fresh ports."""
     for attempt in range(1, tries + 1):
         temp_dir = tempfile.mkdtemp(prefix="rtsub-", dir="/tmp")  # short: Ray's socket paths have a length limit
         flags = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
@@ -316,24 +317,31 @@ class HeadNotStarted(AssertionError):
     """The head's process ended before its dashboard answered, or another cluster's answered."""
 
 
+#: what ``ray start`` prints once its node has registered (the dashboard may answer before)
+STARTED = "Ray runtime started."
+
+
 def wait_for_dashboard(address: str, token: str, head: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    """Until the dashboard at ``address`` answers with our token (asked directly: Ray's job client
-    would go to the session's own instance, whose address it takes from the environment first)."""
+    """Until ``ray start`` says its node started and the dashboard at ``address`` answers with our
+    token (asked directly: Ray's job client would go to the session's own instance, whose address it
+    takes from the environment first)."""
     request = urllib.request.Request(f"{address}/api/version", headers={"Authorization": f"Bearer {token}"})
     deadline = time.monotonic() + timeout
     while True:
-        if head.poll() is not None:
-            raise HeadNotStarted(log.read_text()[-3000:])
+        said = log.read_text()
+        if head.poll() is not None or "Traceback (most recent call last)" in said:  # it gave up, or is giving up
+            raise HeadNotStarted(said[-3000:])
         try:
             urllib.request.urlopen(request, timeout=5).close()
-            return
+            if STARTED in said:
+                return
         except urllib.error.HTTPError as refused:
             if refused.code in (401, 403):  # our token refused: another cluster's server took the port
                 raise HeadNotStarted(f"{address} is another cluster's: {refused}") from refused
         except OSError:  # not listening yet
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the head's dashboard at {address} did not answer in {timeout:g} s")
+            raise TimeoutError(f"the head at {address} did not start in {timeout:g} s: {said[-2000:]}")
         time.sleep(1)
 
 
