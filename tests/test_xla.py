@@ -181,7 +181,9 @@ def test_a_profile_window_on_the_xla_cpu_device_writes_a_trace_tensorboard_and_p
     names = {event.get("name", "") for event in trace["traceEvents"]}
     assert {name for name in names if name.startswith("raytpu step ")} == {f"raytpu step {s}" for s in (4, 5)}
     goodput = json.loads((run_dir / "goodput.json").read_text())
-    assert goodput["categories"]["compilation"] > 0.5, goodput  # MSHNet's step graphs: seconds to compile
+    # MSHNet's step graphs compiled in this run: torch_xla's compile time is counted (how long it is,
+    # is the machine's)
+    assert goodput["categories"]["compilation"] > 0, goodput
 
 
 def read_gzipped_json(path: Path) -> dict:
