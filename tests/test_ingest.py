@@ -107,6 +107,24 @@ def test_decoded_batches_equal_the_torch_dataset_items(native, tmp_path, split):
         assert value.shape == expected.shape and torch.equal(value, expected), key
 
 
+def test_stats_downloaded_from_a_remote_folder_are_deleted_with_it(tmp_path):
+    """A worker reading a bucket's prepared folder downloads its stats files into a local folder,
+    which goes with the prepared folder's object (or the process): none is left in /tmp."""
+    import gc
+
+    import pyarrow.fs as pafs
+
+    (tmp_path / "bucket").mkdir()
+    (tmp_path / "bucket" / "mean.pth").write_bytes(b"stats")
+    remote = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())  # not local to raytpu's eyes
+    prepared = ingest.Prepared("s3://bucket", remote, "bucket", {"stats": ["mean.pth"], "tables": {}})
+    root = prepared.stats_root()
+    assert (root / "mean.pth").read_bytes() == b"stats" and root.parent != tmp_path
+    del prepared
+    gc.collect()
+    assert not root.exists()
+
+
 def test_ray_loader_without_prepared_tables_says_to_prepare(tmp_path):
     cfg, job = load_config("jobs/mshnet/small.yaml", ["data.loader=ray", f"data.path={tmp_path}"])
     with pytest.raises(ConfigError, match=rf"run `raytpu data prepare mshnet --src .* --out {tmp_path}`"):

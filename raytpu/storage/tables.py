@@ -25,6 +25,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,10 +213,12 @@ class Prepared:
         return sum(entry.size or 0 for entry in self.fs.get_file_info(self.paths(name)))
 
     def stats_root(self) -> Path:
-        """A local folder holding the stats files (downloaded once when remote)."""
+        """A local folder holding the stats files (downloaded when remote, into a folder deleted with
+        this object or as the process exits: a worker left one in /tmp for every run before)."""
         if isinstance(self.fs, pafs.LocalFileSystem):
             return Path(self.base)
         folder = Path(tempfile.mkdtemp(prefix="raytpu-stats-"))
+        weakref.finalize(self, shutil.rmtree, folder, True)
         for name in self.manifest.get("stats", []):
             with self.fs.open_input_stream(f"{self.base}/{name}") as stream, open(folder / name, "wb") as out:
                 shutil.copyfileobj(stream, out)
