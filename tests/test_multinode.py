@@ -107,7 +107,9 @@ def test_a_run_in_s3_on_three_nodes_resumes_after_a_kill_bit_identical_to_a_loca
     evaluated = json.loads((out / "results" / "straight" / final / "meta.json").read_text())["metrics"]
     expected = {f"test/{name}": evaluated[f"valid/{name}"] for name in ("mIoU", "nIoU", "Pd", "Fa")}
     assert report["test_bucket"] == pytest.approx(expected, rel=1e-6, abs=1e-9), report
-    in_bucket = load_file(RunFolder(f"s3://{BUCKET}/cluster/killed").fetch(final) / "model.safetensors")
+    fetched = RunFolder(f"s3://{BUCKET}/cluster/killed").fetch(final)  # a local copy, in a folder of its own
+    in_bucket = load_file(fetched / "model.safetensors")
+    shutil.rmtree(fetched.parent)
     straight = load_file(out / "results" / "straight" / final / "model.safetensors")
     for key in straight:
         torch.testing.assert_close(in_bucket[key], straight[key], rtol=0, atol=0)
