@@ -186,13 +186,18 @@ def instance_variables(port: int, dashboard: bool | None) -> dict[str, str]:
 
 @contextlib.contextmanager
 def environment(variables: Mapping[str, str]) -> Iterator[None]:
-    """``variables`` in this process's environment for the block's time."""
+    """``variables`` in this process's environment for the block's time, their earlier values
+    (or their absence) restored after it."""
+    before = {name: os.environ.get(name) for name in variables}
     os.environ.update(variables)
     try:
         yield
     finally:
-        for name in variables:
-            os.environ.pop(name, None)
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def leaves_kept_instance(address: str | None) -> bool:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytpu.cluster.connect import API_SERVER, auth_headers
+from raytpu.cluster.connect import API_SERVER, auth_headers, environment
 from raytpu.config import Config, load_config
 from raytpu.config.args import extract
 from raytpu.job import job_module
@@ -213,20 +213,14 @@ def connect(address: str) -> Any:
     from ray.job_submission import JobSubmissionClient
 
     # Ray's client takes RAY_ADDRESS over the address it is given: the URL named here must win
-    previous = os.environ.get(API_SERVER)
-    os.environ[API_SERVER] = address
     try:
-        return JobSubmissionClient(address, headers=auth_headers())
+        with environment({API_SERVER: address}):
+            return JobSubmissionClient(address, headers=auth_headers())
     except ConnectionError as exc:
         reason = _first_line(exc)
         raise SubmitError(f"cannot reach the Ray dashboard at {address}: is the cluster up? ({reason})") from exc
     except (AuthenticationError, RuntimeError) as exc:
         raise SubmitError(_auth_message(address, exc)) from exc
-    finally:
-        if previous is None:
-            os.environ.pop(API_SERVER, None)
-        else:
-            os.environ[API_SERVER] = previous
 
 
 def _auth_message(address: str, exc: BaseException) -> str:
