@@ -314,7 +314,7 @@ def start_head(env: dict[str, str], token: str, tries: int = 3) -> tuple[subproc
 
 
 class HeadNotStarted(AssertionError):
-    """The head's process ended before its dashboard answered, or another cluster's answered."""
+    """The head's `ray start` ended or gave up before its node started, or another cluster's dashboard answered."""
 
 
 #: what ``ray start`` prints once its node has registered (the dashboard may answer before)
