@@ -128,8 +128,9 @@ def test_searches_are_checked_against_the_config():
 def test_a_search_algorithm_or_scheduler_that_cannot_take_the_search_is_one_line(flags, message, tmp_path, capsys):
     search = [] if "--search" in flags else ["--search", "optim.lr=loguniform(1e-3, 1e-1)"]
     assert cli.main(["tune", SMALL, f"run.storage_path={tmp_path}", *search, *flags]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("raytpu: error:") and "\n" not in err and message in err, err
+    out, err = capsys.readouterr()
+    assert err.strip().startswith("raytpu: error:") and "\n" not in err.strip() and message in err, err
+    assert "raytpu: train " not in out, out  # said before the plan: no Ray started or joined for it
 
 
 def test_optuna_missing_is_one_line_naming_the_extra(monkeypatch, tmp_path, capsys):

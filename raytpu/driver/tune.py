@@ -209,6 +209,7 @@ def sweep(cfg: Config, job: Job, address: str | None = None) -> dict[str, Any]:
             f"{cfg.scaling.num_workers} is an elastic range, for raytpu train; give one size (scaling.num_workers=N)"
         )
     searches = searches_of(cfg)
+    mutations_of(cfg, searches)  # its mistakes, like the searches', are said before Ray starts
     plan = prepare(cfg, "train", job, address, memory=False)
     sweep = Sweep(cfg, job, within_memory(searches, plan, job), plan.facts.data_root)
     concurrent = max_concurrent_trials(plan.config, read_offer(this_machine=joined_here()).capacities())
