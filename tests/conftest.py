@@ -15,6 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 #: how tests/xla_probe.py marks the line of a run's prepared model
 PREPARED = "PREPARED "
+#: where tests/xla_probe.py puts the folders of its unnamed runs (else in /tmp)
+PROBE_RUNS = "RAYTPU_XLA_PROBE_RUNS"
 
 #: torch_xla on the CPU PJRT device (in this process, its subprocesses and the Ray workers it
 #: starts) compiles with LLVM at -O0 and XLA's older CPU fusion code generator: what the tests check
@@ -85,6 +87,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:  # a test on the session's Ray is an integration test (scripts/test.sh --fast leaves it out)
         if "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def probe_runs(tmp_path_factory) -> Path:
+    """The folder of the XLA probes' unnamed runs (``tests/xla_probe.py``, run in subprocesses that
+    inherit this process's environment): the session's temporary folder, not ``/tmp``, where each
+    suite left about 70 MB of checkpoints."""
+    folder = tmp_path_factory.mktemp("xla-probe-runs")
+    os.environ[PROBE_RUNS] = str(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,7 @@ from raytpu.runtime.xla import quiet_xla_logs
 from raytpu.storage.run_folder import RunFolder
 from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter
+from tests.conftest import PROBE_RUNS
 
 quiet_xla_logs()  # before torch_xla is imported, as raytpu's XLA runtime and every Ray worker's start do
 import torch_xla  # noqa: E402
@@ -128,9 +129,13 @@ def probe_run(warmup: int, overrides: list[str]) -> dict:
     cfg, job = load_config(None, ["logging.progress_bar=false", "logging.eval_images=0", *overrides])
     cfg = resolve_config(cfg, "xla", resolve_precision("xla", cfg.scaling.precision)[0])  # as planned
     runtime = make_runtime("xla", cfg.scaling.precision, 1, 0, 0, cfg.xla, sharding=cfg.sharding)
-    # a named run (run.name given) is kept in run.storage_path, so that a later run of the same name resumes it
+    # a named run (run.name given) is kept in run.storage_path, so that a later run of the same name resumes
+    # it; an unnamed one gets a folder of its own in PROBE_RUNS (the suite's: tests/conftest.py), else in /tmp
     named = any(word.startswith("run.name=") for word in overrides)
-    run_dir = Path(cfg.run.storage_path) / cfg.run.name if named else Path(tempfile.mkdtemp(prefix="xla-probe-"))
+    if named:
+        run_dir = Path(cfg.run.storage_path) / cfg.run.name
+    else:
+        run_dir = Path(tempfile.mkdtemp(prefix="xla-probe-", dir=os.environ.get(PROBE_RUNS)))
     data_root = resolve_data_root(cfg, job) if cfg.data.path else run_dir
     probe = Probe(warmup)
     job_train_step = job.train_step
