@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-#: how tests/xla_probe.py marks the line of a run's prepared model
+#: the line tests/xla_probe.py prints once a run's model is prepared, before its first step: what
+#: raytpu decided (wrapping, shardings) is then known even where torch_xla kills the process in a step
 PREPARED = "PREPARED "
 #: where tests/xla_probe.py puts the folders of its unnamed runs (else in /tmp)
 PROBE_RUNS = "RAYTPU_XLA_PROBE_RUNS"

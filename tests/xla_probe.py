@@ -33,7 +33,7 @@ from raytpu.runtime.xla import quiet_xla_logs
 from raytpu.storage.run_folder import RunFolder
 from raytpu.worker.loop import Trainer
 from raytpu.worker.reporting import FolderReporter
-from tests.conftest import PROBE_RUNS
+from tests.conftest import PREPARED, PROBE_RUNS
 
 quiet_xla_logs()  # before torch_xla is imported, as raytpu's XLA runtime and every Ray worker's start do
 import torch_xla  # noqa: E402
@@ -62,11 +62,6 @@ SHOWN_WEIGHTS = ("layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.wei
 def compiles() -> int:
     data = met.metric_data("CompileTime")
     return data[0] if data else 0
-
-
-#: the line a probe prints once its run's model is prepared, before the first step runs: what raytpu
-#: decided (wrapping, shardings) is then known even where torch_xla kills the process in a step
-PREPARED = "PREPARED "
 
 
 def prepared(trainer) -> dict:
