@@ -91,13 +91,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def probe_runs(tmp_path_factory) -> Path:
+def probe_runs(tmp_path_factory) -> None:
     """The folder of the XLA probes' unnamed runs (``tests/xla_probe.py``, run in subprocesses that
     inherit this process's environment): the session's temporary folder, not ``/tmp``, where each
     suite left about 70 MB of checkpoints."""
-    folder = tmp_path_factory.mktemp("xla-probe-runs")
-    os.environ[PROBE_RUNS] = str(folder)
-    return folder
+    os.environ[PROBE_RUNS] = str(tmp_path_factory.mktemp("xla-probe-runs"))
 
 
 @pytest.fixture(scope="session")

@@ -129,7 +129,8 @@ def test_a_search_algorithm_or_scheduler_that_cannot_take_the_search_is_one_line
     search = [] if "--search" in flags else ["--search", "optim.lr=loguniform(1e-3, 1e-1)"]
     assert cli.main(["tune", SMALL, f"run.storage_path={tmp_path}", *search, *flags]) == 2
     out, err = capsys.readouterr()
-    assert err.strip().startswith("raytpu: error:") and "\n" not in err.strip() and message in err, err
+    err = err.strip()
+    assert err.startswith("raytpu: error:") and "\n" not in err and message in err, err
     assert "raytpu: train " not in out, out  # said before the plan: no Ray started or joined for it
 
 
